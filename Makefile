@@ -1,0 +1,35 @@
+# Two entry points for a fresh clone: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint unit bench bench-peer clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+.venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/quickstart.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check aiokvo tests benchmarks examples
+	$(BIN)/mypy --strict aiokvo
+
+unit: $(STAMP)
+	$(BIN)/pytest -q
+
+test: lint unit
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_manager.py
+	$(BIN)/python benchmarks/bench_async.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,102 @@
+"""Every exception aiokvo raises on purpose.
+
+One base class, :class:`AiokvoError`, so callers can catch everything the
+library raises deliberately. Subclasses also derive from the builtin that
+best describes them (``ValueError``, ``KeyError``, ...) so that generic code
+which already catches those keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AiokvoError",
+    "BlockNotReadyError",
+    "CapacityError",
+    "ConfigError",
+    "CudaError",
+    "CudaUnavailableError",
+    "DuplicateJobError",
+    "InvalidSpecError",
+    "SpecLoadError",
+    "TransferError",
+    "TransferSpecError",
+    "UnknownKeyError",
+    "UnknownPolicyError",
+    "UnknownRouteError",
+]
+
+
+class AiokvoError(Exception):
+    """Base class of every error aiokvo raises deliberately."""
+
+
+class ConfigError(AiokvoError, ValueError):
+    """A configuration value is missing, malformed or out of range."""
+
+
+class UnknownPolicyError(ConfigError):
+    """A cache policy name or module path that does not resolve to a policy."""
+
+
+class SpecLoadError(ConfigError):
+    """An offloading spec could not be registered, imported or constructed."""
+
+
+class InvalidSpecError(AiokvoError, ValueError):
+    """A ``LoadStoreSpec`` whose fields contradict each other."""
+
+
+class UnknownKeyError(AiokvoError, KeyError):
+    """A key the manager does not hold was used where a held key is required."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class BlockNotReadyError(AiokvoError):
+    """A block was asked to be read while it is still being written."""
+
+
+class CapacityError(AiokvoError):
+    """A request that can never fit, whatever is evicted."""
+
+
+class TransferError(AiokvoError):
+    """A copy between media failed while it ran."""
+
+
+class TransferSpecError(TransferError, ValueError):
+    """A transfer was rejected before anything was enqueued (caller bug)."""
+
+
+class UnknownRouteError(TransferSpecError):
+    """No handler is registered for a ``(src_medium, dst_medium)`` pair."""
+
+
+class DuplicateJobError(TransferSpecError):
+    """A ``job_id`` was submitted while an earlier transfer with it is live."""
+
+
+class CudaError(AiokvoError):
+    """A CUDA runtime or driver call returned something other than success.
+
+    ``name`` is the enum name (``"cudaErrorInvalidValue"``), ``code`` its
+    integer value and ``call`` the API function that failed.
+    """
+
+    def __init__(self, call: str, name: str, code: int, detail: str = "") -> None:
+        self.call = call
+        self.name = name
+        self.code = code
+        self.detail = detail
+        message = f"{call} failed: {name} ({code})"
+        if detail:
+            message = f"{message}: {detail}"
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[type[CudaError], tuple[str, str, int, str]]:
+        return (type(self), (self.call, self.name, self.code, self.detail))
+
+
+class CudaUnavailableError(AiokvoError, RuntimeError):
+    """No CUDA driver or device is present, so a CUDA backend cannot start."""

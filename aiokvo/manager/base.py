@@ -1,0 +1,155 @@
+"""The abstract offloading manager: the cache's control plane.
+
+A manager decides which blocks live in the offload tier. It is pure,
+synchronous and deterministic: every method runs to completion on the
+caller's thread (the event loop's) and never awaits, so a scheduler can call
+it on its hot path. Transfers themselves belong to handlers.
+
+Events are delivered two ways: ``take_events()`` returns the events recorded
+since the last call (only when ``enable_events`` is set), and
+``subscribe()`` hands out an async stream that is fed at the moment each
+event is made, whether or not recording is enabled.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING, Literal
+
+from aiokvo.keys import OffloadKey
+from aiokvo.specs import LoadStoreSpec, OffloadingEvent, PrepareStoreOutput, ReqContext
+
+if TYPE_CHECKING:
+    from aiokvo.events import EventSubscription
+
+__all__ = ["EventSink", "OffloadingManager", "OverflowPolicy"]
+
+OverflowPolicy = Literal["drop_oldest", "drop_newest"]
+
+
+class EventSink:
+    """Fan-out point for events; the only event plumbing a manager owns.
+
+    Kept free of asyncio so the core stays importable and testable without
+    a loop: subscriptions register themselves here and receive ``push``.
+    """
+
+    __slots__ = ("_recorded", "_subscribers")
+
+    def __init__(self, record: bool) -> None:
+        self._recorded: list[OffloadingEvent] | None = [] if record else None
+        self._subscribers: list[EventSubscription] = []
+
+    @property
+    def active(self) -> bool:
+        """True when anybody would see an event (cheap hot-path guard)."""
+        return self._recorded is not None or bool(self._subscribers)
+
+    def publish(self, event: OffloadingEvent) -> None:
+        if self._recorded is not None:
+            self._recorded.append(event)
+        for subscriber in self._subscribers:
+            subscriber.push(event)
+
+    def take(self) -> list[OffloadingEvent]:
+        if not self._recorded:
+            return []
+        events, self._recorded = self._recorded, []
+        return events
+
+    def attach(self, subscription: EventSubscription) -> None:
+        self._subscribers.append(subscription)
+
+    def detach(self, subscription: EventSubscription) -> None:
+        if subscription in self._subscribers:
+            self._subscribers.remove(subscription)
+
+    def close_all(self) -> None:
+        for subscription in list(self._subscribers):
+            subscription.close()
+        self._subscribers.clear()
+
+
+class OffloadingManager(ABC):
+    """Which blocks are offloaded, which are readable, and what to evict.
+
+    Subclasses must set ``self._sink`` (an :class:`EventSink`) in
+    ``__init__`` or override :meth:`subscribe` and :meth:`take_events`.
+    """
+
+    _sink: EventSink
+
+    @abstractmethod
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        """True if ``key`` is offloaded and readable, False if absent,
+        None if it is still being written (ask again later)."""
+
+    def lookup_prefix(
+        self, keys: Iterable[OffloadKey], req_context: ReqContext
+    ) -> int | None:
+        """Number of leading keys that are readable.
+
+        Returns None when the first key that is not readable is still being
+        written, because the prefix may grow once that store completes.
+        """
+        hits = 0
+        for key in keys:
+            found = self.lookup(key, req_context)
+            if found is None:
+                return None
+            if not found:
+                break
+            hits += 1
+        return hits
+
+    @abstractmethod
+    def prepare_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> LoadStoreSpec:
+        """Pin every key for reading and say where its data is.
+
+        Every key must be readable; the caller releases the pins with
+        :meth:`complete_load` once the copy is done.
+        """
+
+    def touch(self, keys: Collection[OffloadKey]) -> None:
+        """Mark ``keys`` as recently used (the first key ends up most recent)."""
+        return
+
+    def complete_load(self, keys: Collection[OffloadKey]) -> None:
+        """Release the pins taken by :meth:`prepare_load`."""
+        return
+
+    @abstractmethod
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        """Reserve space for the keys not yet held, evicting if needed.
+
+        Returns None, changing nothing, when room cannot be made.
+        """
+
+    def complete_store(self, keys: Collection[OffloadKey], success: bool = True) -> None:
+        """Mark stored keys readable, or release them if the copy failed."""
+        return
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Events recorded since the last call (empty unless recording)."""
+        return self._sink.take()
+
+    def subscribe(
+        self, *, maxsize: int = 1024, overflow: OverflowPolicy = "drop_oldest"
+    ) -> EventSubscription:
+        """A bounded async stream of every event made from now on.
+
+        A slow subscriber never blocks the manager: when its queue is full,
+        events are dropped by ``overflow`` and counted in ``.dropped``.
+        """
+        from aiokvo.events import EventSubscription  # keeps the core asyncio-free
+
+        return EventSubscription(self._sink, maxsize=maxsize, overflow=overflow)
+
+    def shutdown(self) -> None:
+        """Close every subscription; the manager must not be used afterwards."""
+        self._sink.close_all()

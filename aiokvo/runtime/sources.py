@@ -1,0 +1,61 @@
+"""Completion sources: things that finish, which the event poller watches.
+
+A source is the narrow waist between a backend and the asyncio layer. It
+only has to answer "are you done?" without blocking (``query``) and to
+block a *non-loop* thread until it is (``synchronize``). Both raise the
+failure if the operation behind the source failed, so the poller can turn
+it into a failed future without knowing anything about the backend.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol, runtime_checkable
+
+__all__ = ["CompletionSource", "HostEvent"]
+
+
+@runtime_checkable
+class CompletionSource(Protocol):
+    """Something that completes once; see the module docstring."""
+
+    def query(self) -> bool:
+        """True when complete, False while pending; raises if it failed."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the calling thread until complete; raises if it failed."""
+        ...
+
+
+class HostEvent:
+    """A completion source set by a host worker thread.
+
+    ``set()`` marks success and ``set_exception()`` failure; either may be
+    called once from any thread.
+    """
+
+    __slots__ = ("_error", "_event")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+
+    def set(self) -> None:
+        self._event.set()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._event.set()
+
+    def query(self) -> bool:
+        if not self._event.is_set():
+            return False
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def synchronize(self) -> None:
+        self._event.wait()
+        if self._error is not None:
+            raise self._error

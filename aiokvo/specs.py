@@ -1,0 +1,181 @@
+"""The small value types that travel between the manager and the workers.
+
+The manager (control plane) decides *which* blocks move and describes them
+with a :class:`LoadStoreSpec`; a handler (data plane) turns a pair of specs
+into copies. Everything here is plain data: no I/O, no asyncio, no CUDA.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from aiokvo.errors import InvalidSpecError
+from aiokvo.keys import OffloadKey
+
+__all__ = [
+    "BlockIDsLoadStoreSpec",
+    "CPULoadStoreSpec",
+    "GPULoadStoreSpec",
+    "LoadStoreSpec",
+    "OffloadingEvent",
+    "PrepareStoreOutput",
+    "ReqContext",
+    "TransferResult",
+    "TransferSpec",
+    "TransferType",
+]
+
+BlockIds: TypeAlias = "Sequence[int] | npt.NDArray[np.integer[Any]]"
+
+
+@dataclass(slots=True)
+class ReqContext:
+    """Per-request data a manager may consult (opaque to the built-in ones)."""
+
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class LoadStoreSpec(ABC):
+    """Where a set of blocks lives on one medium, as a worker needs to know it."""
+
+    __slots__ = ()
+
+    @staticmethod
+    @abstractmethod
+    def medium() -> str:
+        """Name of the medium (``"GPU"``, ``"CPU"``); workers route on it."""
+
+
+class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
+    """A spec that is a flat list of block ids, kept as an int64 array.
+
+    The array form lets handlers compute copy addresses with vectorised
+    numpy instead of Python loops.
+    """
+
+    __slots__ = ("block_ids",)
+
+    def __init__(self, block_ids: BlockIds) -> None:
+        ids = np.asarray(block_ids)
+        if ids.size == 0:
+            ids = np.empty(0, dtype=np.int64)
+        if ids.ndim != 1:
+            raise InvalidSpecError(f"block_ids must be one-dimensional, got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InvalidSpecError(f"block_ids must be integers, got dtype {ids.dtype}")
+        ids = ids.astype(np.int64, copy=False)
+        if ids.size and int(ids.min()) < 0:
+            raise InvalidSpecError(f"block_ids must be >= 0, got {int(ids.min())}")
+        self.block_ids: npt.NDArray[np.int64] = ids
+
+    def __len__(self) -> int:
+        return int(self.block_ids.shape[0])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(block_ids={self.block_ids.tolist()!r})"
+
+
+class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """Blocks of the CPU pool, addressed by offloaded-block id."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def medium() -> str:
+        return "CPU"
+
+
+class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """GPU blocks of one request, split by KV-cache group.
+
+    ``group_sizes[i]`` GPU blocks of ``block_ids`` belong to group ``i``, in
+    order. ``block_indices[i]`` is the logical index (within the request) of
+    group ``i``'s first block: when an offloaded block spans several GPU
+    blocks, ``block_indices[i] % block_size_factor`` is how many GPU-sized
+    sub-blocks of the first offloaded block to skip.
+    """
+
+    __slots__ = ("block_indices", "group_sizes")
+
+    def __init__(
+        self,
+        block_ids: BlockIds,
+        group_sizes: Sequence[int],
+        block_indices: Sequence[int],
+    ) -> None:
+        super().__init__(block_ids)
+        sizes = tuple(int(s) for s in group_sizes)
+        indices = tuple(int(i) for i in block_indices)
+        if len(indices) != len(sizes):
+            raise InvalidSpecError(
+                f"block_indices has {len(indices)} entries but group_sizes has {len(sizes)}"
+            )
+        for name, values in (("group_sizes", sizes), ("block_indices", indices)):
+            negative = [v for v in values if v < 0]
+            if negative:
+                raise InvalidSpecError(f"{name} must be >= 0, got {negative[0]} in {values!r}")
+        if sum(sizes) != len(self):
+            raise InvalidSpecError(
+                f"group_sizes {sizes!r} add up to {sum(sizes)}, "
+                f"but there are {len(self)} block_ids"
+            )
+        self.group_sizes: tuple[int, ...] = sizes
+        self.block_indices: tuple[int, ...] = indices
+
+    @staticmethod
+    def medium() -> str:
+        return "GPU"
+
+    def __repr__(self) -> str:
+        return (
+            f"GPULoadStoreSpec(block_ids={self.block_ids.tolist()!r}, "
+            f"group_sizes={self.group_sizes!r}, block_indices={self.block_indices!r})"
+        )
+
+
+@dataclass(slots=True)
+class PrepareStoreOutput:
+    """What ``prepare_store`` decided: what to write, where, and what it evicted."""
+
+    keys_to_store: list[OffloadKey]
+    store_spec: LoadStoreSpec
+    evicted_keys: list[OffloadKey]
+
+
+@dataclass(slots=True, frozen=True)
+class OffloadingEvent:
+    """Keys that became readable (``removed=False``) or were dropped (``removed=True``)."""
+
+    keys: list[OffloadKey]
+    medium: str
+    removed: bool
+
+
+TransferSpec: TypeAlias = tuple[LoadStoreSpec, LoadStoreSpec]
+"""``(src_spec, dst_spec)``."""
+
+TransferType: TypeAlias = tuple[str, str]
+"""``(src_medium, dst_medium)``, e.g. ``("GPU", "CPU")``."""
+
+
+@dataclass(slots=True, frozen=True)
+class TransferResult:
+    """How one transfer ended.
+
+    ``transfer_size`` is in bytes and ``transfer_time`` in seconds. When
+    ``success`` is false, ``error`` holds the exception that stopped it and
+    the destination blocks must be treated as unwritten.
+    """
+
+    job_id: int
+    success: bool
+    transfer_size: int | None = None
+    transfer_time: float | None = None
+    transfer_type: TransferType | None = None
+    error: BaseException | None = field(default=None, compare=False)
