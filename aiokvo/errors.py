@@ -18,6 +18,7 @@ __all__ = [
     "DuplicateJobError",
     "InvalidSpecError",
     "SpecLoadError",
+    "SubscriptionClosed",
     "TransferError",
     "TransferSpecError",
     "UnknownKeyError",
@@ -100,3 +101,7 @@ class CudaError(AiokvoError):
 
 class CudaUnavailableError(AiokvoError, RuntimeError):
     """No CUDA driver or device is present, so a CUDA backend cannot start."""
+
+
+class SubscriptionClosed(AiokvoError):
+    """An event subscription was closed and everything it buffered was read."""
