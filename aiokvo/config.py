@@ -1,0 +1,216 @@
+"""Engine-agnostic offloading configuration, validated once at construction.
+
+The engine (vLLM or anything else) knows its KV groups' block sizes, its hash
+block size and how many KV bytes one GPU block holds; the user knows how much
+CPU memory to spend. :class:`OffloadConfig` joins the two and derives what
+the spec needs (``block_size_factor``, ``num_cpu_blocks``), so that a bad value
+fails here, with its field named, instead of deep inside a copy.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiokvo.errors import ConfigError
+
+__all__ = ["EXTRA_CONFIG_KEYS", "OffloadConfig", "UnknownConfigKeyWarning"]
+
+EXTRA_CONFIG_KEYS: frozenset[str] = frozenset(
+    {
+        "cpu_bytes_to_use",
+        "block_size",
+        "eviction_policy",
+        "store_threshold",
+        "max_tracker_size",
+        "spec_name",
+        "spec_module_path",
+    }
+)
+"""The ``kv_connector_extra_config`` keys :meth:`OffloadConfig.from_dict` reads."""
+
+
+class UnknownConfigKeyWarning(UserWarning):
+    """``from_dict`` met a key it does not read (usually a typo); it was ignored."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OffloadConfig:
+    """Everything needed to build an offloading spec, checked up front.
+
+    ``gpu_block_sizes`` holds the tokens per GPU block of each KV-cache group;
+    ``kv_bytes_per_block`` is the KV bytes of one GPU block on one rank (all
+    layers and groups), so one offloaded block costs
+    ``kv_bytes_per_block * world_size * block_size_factor`` bytes of CPU memory.
+    ``store_threshold`` of 0 or 1 stores everything; 2 or more stores a block
+    only once it was looked up that many times (``FilterReusedOffloadingManager``).
+    """
+
+    gpu_block_sizes: tuple[int, ...]
+    hash_block_size: int
+    cpu_bytes_to_use: int
+    kv_bytes_per_block: int
+    offloaded_block_size: int | None = None
+    eviction_policy: str = "lru"
+    store_threshold: int = 0
+    max_tracker_size: int = 64_000
+    enable_events: bool = False
+    world_size: int = 1
+    spec_name: str = "CPUOffloadingSpec"
+    spec_module_path: str | None = None
+
+    def __post_init__(self) -> None:
+        sizes: object = self.gpu_block_sizes  # callers may pass a list
+        if isinstance(sizes, str | bytes) or not isinstance(sizes, Sequence) or not sizes:
+            raise ConfigError(
+                f"gpu_block_sizes must be a non-empty sequence of ints, got {sizes!r}"
+            )
+        for size in sizes:
+            _check_int("gpu_block_sizes", size, minimum=1, shown=sizes)
+        object.__setattr__(self, "gpu_block_sizes", tuple(sizes))
+
+        _check_int("hash_block_size", self.hash_block_size, minimum=1)
+        for size in self.gpu_block_sizes:
+            if size % self.hash_block_size:
+                raise ConfigError(
+                    f"gpu_block_sizes entry {size} is not divisible by "
+                    f"hash_block_size={self.hash_block_size}"
+                )
+        _check_int("cpu_bytes_to_use", self.cpu_bytes_to_use, minimum=1)
+        _check_int("kv_bytes_per_block", self.kv_bytes_per_block, minimum=0)
+        if self.offloaded_block_size is not None:
+            self._check_offloaded_block_size(self.offloaded_block_size)
+        _check_str("eviction_policy", self.eviction_policy)
+        _check_int("store_threshold", self.store_threshold, minimum=0)
+        _check_int("max_tracker_size", self.max_tracker_size, minimum=1)
+        if not isinstance(self.enable_events, bool):
+            raise ConfigError(f"enable_events must be a bool, got {self.enable_events!r}")
+        _check_int("world_size", self.world_size, minimum=1)
+        _check_str("spec_name", self.spec_name)
+        if self.spec_module_path is not None:
+            _check_str("spec_module_path", self.spec_module_path)
+
+    def _check_offloaded_block_size(self, value: int) -> None:
+        _check_int("offloaded_block_size", value, minimum=1)
+        distinct = sorted(set(self.gpu_block_sizes))
+        if len(distinct) != 1:
+            raise ConfigError(
+                f"offloaded_block_size={value} needs every KV group to share one GPU "
+                f"block size, but gpu_block_sizes={self.gpu_block_sizes!r}"
+            )
+        if value % distinct[0]:
+            raise ConfigError(
+                f"offloaded_block_size={value} is not a multiple of the GPU block "
+                f"size {distinct[0]}"
+            )
+
+    @property
+    def block_size_factor(self) -> int:
+        """GPU blocks per offloaded block (1 unless ``offloaded_block_size`` is set)."""
+        if self.offloaded_block_size is None:
+            return 1
+        return self.offloaded_block_size // self.gpu_block_sizes[0]
+
+    @property
+    def kv_bytes_per_offloaded_block(self) -> int:
+        """CPU bytes one offloaded block takes, across every rank."""
+        return self.kv_bytes_per_block * self.world_size * self.block_size_factor
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        """Offloaded blocks that fit in ``cpu_bytes_to_use`` (0 when blocks hold no bytes)."""
+        per_block = self.kv_bytes_per_offloaded_block
+        return self.cpu_bytes_to_use // per_block if per_block else 0
+
+    @classmethod
+    def from_dict(
+        cls,
+        extra: Mapping[str, Any],
+        *,
+        gpu_block_sizes: Sequence[int],
+        hash_block_size: int,
+        kv_bytes_per_block: int,
+        world_size: int = 1,
+        enable_events: bool = False,
+        strict: bool = False,
+    ) -> OffloadConfig:
+        """Build a config from vLLM's ``kv_connector_extra_config`` mapping.
+
+        Integer values may be given as ints, integral floats (``1e9``) or
+        numeric strings (``"8589934592"``), as vLLM's ``int(...)`` accepts.
+        Keys outside :data:`EXTRA_CONFIG_KEYS` are ignored, as vLLM does, but
+        reported with :class:`UnknownConfigKeyWarning`; with ``strict=True``
+        they raise :class:`~aiokvo.errors.ConfigError` instead.
+        """
+        unknown = sorted(str(k) for k in extra if k not in EXTRA_CONFIG_KEYS)
+        if unknown:
+            message = f"unknown kv_connector_extra_config keys {unknown}; known keys are " + (
+                ", ".join(sorted(EXTRA_CONFIG_KEYS))
+            )
+            if strict:
+                raise ConfigError(message)
+            warnings.warn(message, UnknownConfigKeyWarning, stacklevel=2)
+
+        if extra.get("cpu_bytes_to_use") is None:
+            raise ConfigError("cpu_bytes_to_use must be specified in kv_connector_extra_config")
+        block_size = extra.get("block_size")
+        spec_module_path = extra.get("spec_module_path")
+        return cls(
+            gpu_block_sizes=tuple(gpu_block_sizes),
+            hash_block_size=hash_block_size,
+            cpu_bytes_to_use=_parse_int("cpu_bytes_to_use", extra["cpu_bytes_to_use"]),
+            kv_bytes_per_block=kv_bytes_per_block,
+            offloaded_block_size=(
+                None if block_size is None else _parse_int("block_size", block_size)
+            ),
+            eviction_policy=_parse_str("eviction_policy", extra.get("eviction_policy", "lru")),
+            store_threshold=_parse_int("store_threshold", extra.get("store_threshold", 0)),
+            max_tracker_size=_parse_int(
+                "max_tracker_size", extra.get("max_tracker_size", 64_000)
+            ),
+            enable_events=enable_events,
+            world_size=world_size,
+            spec_name=_parse_str("spec_name", extra.get("spec_name", "CPUOffloadingSpec")),
+            spec_module_path=(
+                None
+                if spec_module_path is None
+                else _parse_str("spec_module_path", spec_module_path)
+            ),
+        )
+
+
+def _check_int(name: str, value: object, *, minimum: int, shown: object = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = f"an int >= {minimum}"
+        got = f"{value!r}" if shown is None else f"{value!r} in {shown!r}"
+        raise ConfigError(f"{name} must be {what}, got {got}")
+
+
+def _check_str(name: str, value: object) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{name} must be a non-empty string, got {value!r}")
+
+
+def _parse_int(key: str, value: object) -> int:
+    """An int from a config value the way vLLM's ``int(value)`` reads it, minus surprises."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise ConfigError(f"{key} must be an integer, got {value!r}")
+
+
+def _parse_str(key: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    return value

@@ -1,0 +1,259 @@
+"""OffloadConfig: validation naming field and value, from_dict, pool sizing."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import pytest
+
+from aiokvo.config import EXTRA_CONFIG_KEYS, OffloadConfig, UnknownConfigKeyWarning
+from aiokvo.errors import ConfigError
+
+GIB = 1 << 30
+
+
+def make(**overrides: Any) -> OffloadConfig:
+    fields: dict[str, Any] = {
+        "gpu_block_sizes": (16,),
+        "hash_block_size": 16,
+        "cpu_bytes_to_use": GIB,
+        "kv_bytes_per_block": 1 << 20,
+    }
+    fields.update(overrides)
+    return OffloadConfig(**fields)
+
+
+def test_defaults_follow_vllm() -> None:
+    config = make()
+    assert config.offloaded_block_size is None
+    assert config.block_size_factor == 1
+    assert config.eviction_policy == "lru"
+    assert config.store_threshold == 0
+    assert config.max_tracker_size == 64_000
+    assert config.enable_events is False
+    assert config.world_size == 1
+    assert config.spec_name == "CPUOffloadingSpec"
+    assert config.spec_module_path is None
+
+
+def test_is_frozen_and_keyword_only() -> None:
+    config = make()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.cpu_bytes_to_use = 1  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        OffloadConfig((16,), 16, GIB, 1)  # type: ignore[misc]
+
+
+def test_gpu_block_sizes_list_is_stored_as_tuple() -> None:
+    config = make(gpu_block_sizes=[32, 64], hash_block_size=16)
+    assert config.gpu_block_sizes == (32, 64)
+    assert hash(config) == hash(make(gpu_block_sizes=(32, 64), hash_block_size=16))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("gpu_block_sizes", ()),
+        ("gpu_block_sizes", "16"),
+        ("gpu_block_sizes", 16),
+        ("gpu_block_sizes", (16, 0)),
+        ("gpu_block_sizes", (16, 16.0)),
+        ("hash_block_size", 0),
+        ("hash_block_size", -16),
+        ("hash_block_size", "16"),
+        ("cpu_bytes_to_use", 0),
+        ("cpu_bytes_to_use", -1),
+        ("cpu_bytes_to_use", None),
+        ("cpu_bytes_to_use", 1.5),
+        ("kv_bytes_per_block", -1),
+        ("kv_bytes_per_block", True),
+        ("offloaded_block_size", 0),
+        ("offloaded_block_size", "32"),
+        ("eviction_policy", ""),
+        ("eviction_policy", None),
+        ("store_threshold", -1),
+        ("store_threshold", 2.0),
+        ("max_tracker_size", 0),
+        ("enable_events", 1),
+        ("world_size", 0),
+        ("world_size", False),
+        ("spec_name", ""),
+        ("spec_name", 3),
+        ("spec_module_path", ""),
+        ("spec_module_path", b"pkg.mod"),
+    ],
+)
+def test_bad_field_raises_config_error_naming_field_and_value(field: str, value: Any) -> None:
+    with pytest.raises(ConfigError) as info:
+        make(**{field: value})
+    message = str(info.value)
+    assert field in message
+    assert repr(value) in message or str(value) in message
+
+
+def test_gpu_block_size_must_divide_by_hash_block_size() -> None:
+    make(gpu_block_sizes=(32, 64), hash_block_size=16)  # fine
+    with pytest.raises(ConfigError, match=r"gpu_block_sizes entry 40 .*hash_block_size=16"):
+        make(gpu_block_sizes=(32, 40), hash_block_size=16)
+
+
+def test_offloaded_block_size_gives_the_factor() -> None:
+    config = make(gpu_block_sizes=(16, 16), offloaded_block_size=64)
+    assert config.block_size_factor == 4
+
+
+def test_offloaded_block_size_must_be_a_multiple() -> None:
+    with pytest.raises(ConfigError, match=r"offloaded_block_size=40 .*multiple .* 16"):
+        make(offloaded_block_size=40)
+
+
+def test_offloaded_block_size_needs_one_gpu_block_size() -> None:
+    with pytest.raises(ConfigError, match=r"offloaded_block_size=64 .*\(16, 32\)"):
+        make(gpu_block_sizes=(16, 32), offloaded_block_size=64)
+
+
+# -- pool sizing ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cpu_bytes", "kv_bytes", "world_size", "offloaded", "expected"),
+    [
+        (GIB, 1 << 20, 1, None, 1024),
+        (GIB, 1 << 20, 4, None, 256),
+        (GIB, 1 << 20, 2, 64, 128),  # factor 4 * world 2 -> 8 MiB per block
+        (GIB + (1 << 20) - 1, 1 << 20, 1, None, 1024),  # rounds down
+        (1000, 3, 1, None, 333),
+        (GIB, 0, 1, None, 0),  # an engine with no KV blocks sizes an empty pool
+        (10, 1 << 20, 1, None, 0),  # budget smaller than one block
+    ],
+)
+def test_num_cpu_blocks(
+    cpu_bytes: int, kv_bytes: int, world_size: int, offloaded: int | None, expected: int
+) -> None:
+    config = make(
+        cpu_bytes_to_use=cpu_bytes,
+        kv_bytes_per_block=kv_bytes,
+        world_size=world_size,
+        offloaded_block_size=offloaded,
+    )
+    assert config.num_cpu_blocks == expected
+    factor = 1 if offloaded is None else offloaded // 16
+    assert config.kv_bytes_per_offloaded_block == kv_bytes * world_size * factor
+
+
+# -- from_dict ---------------------------------------------------------------------
+
+
+def from_dict(extra: dict[str, Any], **kwargs: Any) -> OffloadConfig:
+    engine: dict[str, Any] = {
+        "gpu_block_sizes": (16,),
+        "hash_block_size": 16,
+        "kv_bytes_per_block": 1 << 20,
+    }
+    engine.update(kwargs)
+    return OffloadConfig.from_dict(extra, **engine)
+
+
+def test_from_dict_reads_every_vllm_key() -> None:
+    config = from_dict(
+        {
+            "cpu_bytes_to_use": 8 * GIB,
+            "block_size": 48,
+            "eviction_policy": "arc",
+            "store_threshold": 3,
+            "max_tracker_size": 500,
+            "spec_name": "MySpec",
+            "spec_module_path": "my_pkg.specs",
+        },
+        world_size=2,
+        enable_events=True,
+    )
+    assert config == OffloadConfig(
+        gpu_block_sizes=(16,),
+        hash_block_size=16,
+        cpu_bytes_to_use=8 * GIB,
+        kv_bytes_per_block=1 << 20,
+        offloaded_block_size=48,
+        eviction_policy="arc",
+        store_threshold=3,
+        max_tracker_size=500,
+        enable_events=True,
+        world_size=2,
+        spec_name="MySpec",
+        spec_module_path="my_pkg.specs",
+    )
+    assert config.block_size_factor == 3
+    assert config.num_cpu_blocks == 8 * GIB // ((1 << 20) * 2 * 3)
+
+
+def test_from_dict_defaults() -> None:
+    assert from_dict({"cpu_bytes_to_use": GIB}) == make()
+
+
+def test_from_dict_accepts_numeric_strings_and_integral_floats() -> None:
+    config = from_dict(
+        {
+            "cpu_bytes_to_use": " 1073741824 ",
+            "block_size": "32",
+            "store_threshold": "2",
+            "max_tracker_size": 1e3,
+        }
+    )
+    assert (config.cpu_bytes_to_use, config.offloaded_block_size) == (GIB, 32)
+    assert (config.store_threshold, config.max_tracker_size) == (2, 1000)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("cpu_bytes_to_use", "lots"),
+        ("cpu_bytes_to_use", 1.5),
+        ("cpu_bytes_to_use", True),
+        ("block_size", "16.5"),
+        ("store_threshold", [2]),
+        ("max_tracker_size", float("inf")),
+        ("eviction_policy", 3),
+        ("spec_module_path", 7),
+    ],
+)
+def test_from_dict_rejects_unparsable_values_naming_the_key(key: str, value: Any) -> None:
+    extra: dict[str, Any] = {"cpu_bytes_to_use": GIB, key: value}
+    with pytest.raises(ConfigError) as info:
+        from_dict(extra)
+    assert key in str(info.value)
+    assert repr(value) in str(info.value)
+
+
+def test_from_dict_requires_cpu_bytes_to_use() -> None:
+    with pytest.raises(ConfigError, match="cpu_bytes_to_use"):
+        from_dict({"block_size": 32})
+    with pytest.raises(ConfigError, match="cpu_bytes_to_use must be an int >= 1, got 0"):
+        from_dict({"cpu_bytes_to_use": "0"})
+
+
+def test_from_dict_checks_engine_values_too() -> None:
+    with pytest.raises(ConfigError, match="hash_block_size"):
+        from_dict({"cpu_bytes_to_use": GIB}, gpu_block_sizes=(16,), hash_block_size=32)
+    with pytest.raises(ConfigError, match="world_size must be an int >= 1, got 0"):
+        from_dict({"cpu_bytes_to_use": GIB}, world_size=0)
+
+
+def test_from_dict_warns_about_unknown_keys_and_ignores_them() -> None:
+    with pytest.warns(UnknownConfigKeyWarning, match=r"\['blocksize'\]"):
+        config = from_dict({"cpu_bytes_to_use": GIB, "blocksize": 64})
+    assert config.offloaded_block_size is None
+
+
+def test_from_dict_strict_rejects_unknown_keys() -> None:
+    with pytest.raises(ConfigError, match=r"\['evict_policy'\]"):
+        from_dict({"cpu_bytes_to_use": GIB, "evict_policy": "arc"}, strict=True)
+
+
+def test_from_dict_known_keys_do_not_warn() -> None:
+    extra = {"cpu_bytes_to_use": GIB, "eviction_policy": "lru", "spec_name": "CPUOffloadingSpec"}
+    assert set(extra) <= EXTRA_CONFIG_KEYS
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from_dict(extra)
