@@ -16,7 +16,10 @@ __all__ = [
     "CudaError",
     "CudaUnavailableError",
     "DuplicateJobError",
+    "DuplicateRouteError",
+    "HandlerClosedError",
     "InvalidSpecError",
+    "PollerClosedError",
     "SpecLoadError",
     "SubscriptionClosed",
     "TransferError",
@@ -105,3 +108,15 @@ class CudaUnavailableError(AiokvoError, RuntimeError):
 
 class SubscriptionClosed(AiokvoError):
     """An event subscription was closed and everything it buffered was read."""
+
+
+class DuplicateRouteError(ConfigError):
+    """A ``(src_medium, dst_medium)`` route was registered with a worker twice."""
+
+
+class HandlerClosedError(TransferSpecError):
+    """A transfer was submitted to a handler or worker that is closing or closed."""
+
+
+class PollerClosedError(AiokvoError, RuntimeError):
+    """The event poller closed while a completion it watched was still pending."""

@@ -1,0 +1,320 @@
+"""The handler contract, and the machinery every single-direction backend reuses.
+
+A backend only has to say how to *enqueue* one copy
+(:meth:`SingleDirectionHandler._submit`): it returns a :class:`Submission`
+with a completion source. Everything asynchronous -- job-id bookkeeping,
+FIFO ordering, the awaitable task, the finished stream, timing, releasing
+pooled objects, graceful close -- lives here, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Self
+
+from aiokvo.errors import DuplicateJobError, HandlerClosedError, TransferSpecError
+from aiokvo.handlers.task import DEFAULT_MAX_BUFFERED, ResultQueue, TransferTask
+from aiokvo.runtime.poller import EventPoller, PollerMode, resolve_poller_mode
+from aiokvo.runtime.sources import CompletionSource
+from aiokvo.specs import TransferResult, TransferSpec, TransferType
+
+__all__ = [
+    "OffloadingHandler",
+    "SingleDirectionHandler",
+    "Submission",
+    "TransferTask",
+]
+
+
+class OffloadingHandler(ABC):
+    """Moves blocks in one or more directions; see DESIGN.md "Handlers and worker".
+
+    Subclasses implement :meth:`transfer_async`, :meth:`wait` and
+    :meth:`aclose`, and call :meth:`_report` once per finished transfer;
+    the finished stream (:meth:`get_finished`) comes for free. It keeps at
+    most ``max_buffered`` unread results, dropping the oldest beyond that
+    (counted in :attr:`dropped_results`); ``max_buffered=0`` keeps none,
+    for callers that only ``await`` their tasks.
+    """
+
+    def __init__(self, *, max_buffered: int = DEFAULT_MAX_BUFFERED) -> None:
+        self._results = ResultQueue(max_buffered)
+        self._owns_results = True
+
+    @abstractmethod
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> TransferTask:
+        """Enqueue the copy ``spec = (src, dst)`` before returning its task.
+
+        Raises :class:`~aiokvo.errors.TransferSpecError` (nothing enqueued)
+        for bad input: a duplicate live ``job_id``, out-of-range blocks, ...
+        """
+
+    def get_finished(self) -> AsyncIterator[TransferResult]:
+        """Each finished result once, in completion order; ends after :meth:`aclose`.
+
+        Several readers share one stream: each result goes to one of them.
+        """
+        return self._results.stream()
+
+    def get_finished_nowait(self) -> list[TransferResult]:
+        """The results finished since the last read, oldest first."""
+        return self._results.take_all()
+
+    @property
+    def dropped_results(self) -> int:
+        """Results discarded unread because the buffer was full (or disabled)."""
+        return self._results.dropped
+
+    @abstractmethod
+    async def wait(self, job_ids: Iterable[int]) -> None:
+        """Return once every live transfer in ``job_ids`` has finished.
+
+        Ids that are not in flight (finished or unknown) are ignored.
+        Results stay in :meth:`get_finished`; cancelling the wait cancels no copy.
+        """
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Refuse new transfers, wait for those in flight, then release resources.
+
+        Idempotent; concurrent callers all wait for the same close.
+        """
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def _report(self, result: TransferResult) -> None:
+        """Publish one finished result to :meth:`get_finished`."""
+        self._results.put(result)
+
+    def _share_results(self, queue: ResultQueue) -> None:
+        """Send results to ``queue`` from now on (a worker merging handlers)."""
+        for result in self._results.take_all():
+            queue.put(result)
+        self._results = queue
+        self._owns_results = False
+
+
+@dataclass(slots=True)
+class Submission:
+    """What a backend returns for one enqueued copy.
+
+    ``source`` completes when the copy is done (or raises its failure);
+    ``lane`` is the FIFO lane the poller watches it on (one per direction or
+    stream). ``elapsed``, if given, is called once after success and returns
+    the copy's duration in seconds (e.g. from CUDA timing events); otherwise
+    the wall time from submission to observed completion is reported.
+    ``release`` is called exactly once after completion, success or not, to
+    drop references and return pooled objects.
+    """
+
+    source: CompletionSource
+    transfer_size: int
+    lane: Hashable
+    elapsed: Callable[[], float | None] | None = None
+    release: Callable[[], None] | None = None
+
+
+class _InFlight:
+    __slots__ = ("done", "error", "finished_at", "future", "job_id", "started_at", "submission")
+
+    def __init__(
+        self,
+        job_id: int,
+        submission: Submission,
+        future: asyncio.Future[TransferResult],
+        started_at: float,
+    ) -> None:
+        self.job_id = job_id
+        self.submission = submission
+        self.future = future
+        self.started_at = started_at
+        self.finished_at = 0.0
+        self.done = False
+        self.error: BaseException | None = None
+
+
+class SingleDirectionHandler(OffloadingHandler):
+    """One direction (``transfer_type``) of copies, finished in submission order.
+
+    Subclasses implement :meth:`_submit`, and :meth:`_close_backend` if they
+    own threads, streams or memory. ``poller_mode`` overrides the loop
+    poller's mode for this handler's lanes. ``transfer_async`` must be
+    called on the loop's thread, with the loop running.
+    """
+
+    def __init__(
+        self,
+        transfer_type: TransferType,
+        *,
+        poller_mode: PollerMode | None = None,
+        max_buffered: int = DEFAULT_MAX_BUFFERED,
+    ) -> None:
+        super().__init__(max_buffered=max_buffered)
+        self.transfer_type: TransferType = transfer_type
+        self.poller_mode: PollerMode | None = (
+            None if poller_mode is None else resolve_poller_mode(poller_mode)
+        )
+        self._live: dict[int, _InFlight] = {}
+        self._order: deque[_InFlight] = deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._poller: EventPoller | None = None
+        self._closing = False
+        self._closed = False
+        self._drained: asyncio.Future[None] | None = None
+        self._close_task: asyncio.Future[None] | None = None
+
+    # -------------------------------------------------------------- backend API
+    @abstractmethod
+    def _submit(self, job_id: int, spec: TransferSpec) -> Submission:
+        """Validate ``spec``, enqueue the copy and describe it.
+
+        Raise :class:`~aiokvo.errors.TransferSpecError` subclasses for caller
+        bugs *before* enqueuing anything. Any other exception propagates out
+        of :meth:`transfer_async` (the worker turns it into a failed result).
+        """
+
+    async def _close_backend(self) -> None:
+        """Release backend resources; called once, after everything in flight finished."""
+
+    # --------------------------------------------------------------- public API
+    @property
+    def in_flight(self) -> int:
+        """Transfers submitted and not yet finished."""
+        return len(self._live)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`aclose` has begun."""
+        return self._closing
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> TransferTask:
+        if isinstance(job_id, bool) or not isinstance(job_id, int):
+            raise TransferSpecError(f"job_id must be an int, got {job_id!r}")
+        if self._closing:
+            raise HandlerClosedError(
+                f"{type(self).__name__} {self.transfer_type} is closed; "
+                f"job_id {job_id} was not submitted"
+            )
+        if job_id in self._live:
+            raise DuplicateJobError(
+                f"job_id {job_id} is still in flight on {type(self).__name__} {self.transfer_type}"
+            )
+        loop = asyncio.get_running_loop()
+        poller = self._poller
+        if loop is not self._loop or poller is None or poller.closed:
+            poller = self._bind(loop)
+        submission = self._submit(job_id, spec)
+        entry = _InFlight(job_id, submission, loop.create_future(), time.perf_counter())
+        try:
+            poller.add_callback(
+                submission.lane,
+                submission.source,
+                lambda error: self._on_complete(entry, error),
+                mode=self.poller_mode,
+            )
+        except BaseException:
+            self._release(entry)
+            raise
+        self._live[job_id] = entry
+        self._order.append(entry)
+        return TransferTask(job_id, entry.future)
+
+    async def wait(self, job_ids: Iterable[int]) -> None:
+        futures = [self._live[j].future for j in job_ids if j in self._live]
+        if futures:
+            await asyncio.wait(futures)  # unlike gather, never cancels them
+
+    async def aclose(self) -> None:
+        if self._close_task is None:
+            self._closing = True
+            self._close_task = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._close_task)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closing else f"in_flight={len(self._live)}"
+        return f"<{type(self).__name__} {self.transfer_type[0]}->{self.transfer_type[1]} {state}>"
+
+    # ---------------------------------------------------------------- internals
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> EventPoller:
+        if self._loop is not None and loop is not self._loop and self._live:
+            raise RuntimeError(
+                f"{self!r} has transfers in flight on another event loop; use one handler per loop"
+            )
+        self._loop = loop
+        self._poller = EventPoller.for_loop(loop)
+        return self._poller
+
+    def _on_complete(self, entry: _InFlight, error: BaseException | None) -> None:
+        entry.finished_at = time.perf_counter()
+        entry.error = error
+        entry.done = True
+        order = self._order
+        # Finish strictly in submission order, even across several lanes.
+        while order and order[0].done:
+            self._finish(order.popleft())
+
+    def _finish(self, entry: _InFlight) -> None:
+        submission = entry.submission
+        error = entry.error
+        elapsed: float | None = None
+        if error is None and submission.elapsed is not None:
+            try:
+                elapsed = submission.elapsed()
+            except Exception as exc:
+                self._report_hook_error("elapsed", exc)
+        if elapsed is None:
+            elapsed = entry.finished_at - entry.started_at
+        self._release(entry)
+        result = TransferResult(
+            job_id=entry.job_id,
+            success=error is None,
+            transfer_size=submission.transfer_size,
+            transfer_time=elapsed,
+            transfer_type=self.transfer_type,
+            error=error,
+        )
+        del self._live[entry.job_id]
+        entry.future.set_result(result)
+        self._report(result)
+        if not self._live and self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    def _release(self, entry: _InFlight) -> None:
+        release = entry.submission.release
+        if release is not None:
+            try:
+                release()
+            except Exception as exc:
+                self._report_hook_error("release", exc)
+
+    def _report_hook_error(self, hook: str, error: Exception) -> None:
+        loop = self._loop or asyncio.get_running_loop()
+        loop.call_exception_handler(
+            {"message": f"{self!r}: Submission.{hook} raised", "exception": error}
+        )
+
+    async def _close(self) -> None:
+        if self._live:
+            self._drained = asyncio.get_running_loop().create_future()
+            await self._drained
+        try:
+            await self._close_backend()
+        finally:
+            self._closed = True
+            if self._owns_results:
+                self._results.close()

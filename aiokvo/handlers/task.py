@@ -1,0 +1,164 @@
+"""``TransferTask`` (an awaitable transfer) and ``ResultQueue`` (the finished stream).
+
+Both are shared by every handler and by the worker, so they live apart
+from the handler classes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Generator
+from typing import Any
+
+from aiokvo.errors import ConfigError
+from aiokvo.specs import TransferResult
+
+__all__ = ["DEFAULT_MAX_BUFFERED", "ResultQueue", "TransferTask"]
+
+DEFAULT_MAX_BUFFERED = 65_536
+"""Results a handler keeps for ``get_finished`` before it drops the oldest."""
+
+
+class TransferTask:
+    """One submitted transfer; ``await task`` gives its :class:`TransferResult`.
+
+    Awaiting never raises for a failed copy: the result says
+    ``success=False`` and carries the error. Any number of coroutines may
+    await the same task. Cancelling one of them cancels only that wait; the
+    copy runs to the end and its result is still reported.
+    """
+
+    __slots__ = ("_future", "job_id")
+
+    def __init__(self, job_id: int, future: asyncio.Future[TransferResult]) -> None:
+        self.job_id = job_id
+        self._future = future
+
+    @classmethod
+    def resolved(cls, result: TransferResult, loop: asyncio.AbstractEventLoop) -> TransferTask:
+        """A task that is already done with ``result``."""
+        future: asyncio.Future[TransferResult] = loop.create_future()
+        future.set_result(result)
+        return cls(result.job_id, future)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> TransferResult:
+        """The result; raises :class:`asyncio.InvalidStateError` while running."""
+        return self._future.result()
+
+    def add_done_callback(self, callback: Callable[[TransferTask], Any]) -> None:
+        """Call ``callback(task)`` on the loop once the transfer has finished."""
+        self._future.add_done_callback(lambda _: callback(self))
+
+    def __await__(self) -> Generator[Any, None, TransferResult]:
+        future = self._future
+        if not future.done():
+            # The shield takes the hit when the awaiting task is cancelled,
+            # so the shared future (and the copy) carry on.
+            yield from asyncio.shield(future).__await__()
+        return future.result()
+
+    def __repr__(self) -> str:
+        if not self._future.done():
+            return f"<TransferTask job_id={self.job_id} pending>"
+        ok = "ok" if self._future.result().success else "failed"
+        return f"<TransferTask job_id={self.job_id} {ok}>"
+
+
+class ResultQueue:
+    """A bounded multi-consumer buffer of finished results, oldest first.
+
+    When ``max_buffered`` results are waiting, the oldest is dropped and
+    counted in :attr:`dropped`, so memory stays bounded even if nobody
+    reads. ``max_buffered=0`` keeps nothing (for callers that only await
+    tasks). Readers that are already waiting get results directly, so a
+    live ``async for`` never loses one.
+    """
+
+    def __init__(self, max_buffered: int = DEFAULT_MAX_BUFFERED) -> None:
+        if isinstance(max_buffered, bool) or not isinstance(max_buffered, int):
+            raise ConfigError(f"max_buffered must be an int, got {max_buffered!r}")
+        if max_buffered < 0:
+            raise ConfigError(f"max_buffered must be >= 0, got {max_buffered}")
+        self.max_buffered = max_buffered
+        self.dropped = 0
+        self._items: deque[TransferResult] = deque()
+        self._readers: deque[asyncio.Future[TransferResult | None]] = deque()
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def put(self, result: TransferResult) -> None:
+        while self._readers:
+            reader = self._readers.popleft()
+            if not reader.done():
+                reader.set_result(result)
+                return
+        if self.max_buffered == 0:
+            self.dropped += 1
+            return
+        if len(self._items) >= self.max_buffered:
+            self._items.popleft()
+            self.dropped += 1
+        self._items.append(result)
+
+    def take_all(self) -> list[TransferResult]:
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+    def close(self) -> None:
+        """No more results will come; readers end once the buffer is empty."""
+        self._closed = True
+        while self._readers:
+            reader = self._readers.popleft()
+            if not reader.done():
+                reader.set_result(None)
+
+    async def get(self) -> TransferResult | None:
+        """The next result, or None once closed and drained."""
+        if self._items:
+            return self._items.popleft()
+        if self._closed:
+            return None
+        reader: asyncio.Future[TransferResult | None] = asyncio.get_running_loop().create_future()
+        self._readers.append(reader)
+        try:
+            return await reader
+        except asyncio.CancelledError:
+            if reader.done() and not reader.cancelled():
+                # Handed a result in the same instant we were cancelled: keep it.
+                result = reader.result()
+                if result is not None:
+                    self._items.appendleft(result)
+            raise
+
+    def stream(self) -> AsyncIterator[TransferResult]:
+        return _ResultStream(self)
+
+
+class _ResultStream:
+    """``async for`` over a :class:`ResultQueue` (a class, so no async-generator
+    finalisation is needed when a reader breaks out early)."""
+
+    __slots__ = ("_queue",)
+
+    def __init__(self, queue: ResultQueue) -> None:
+        self._queue = queue
+
+    def __aiter__(self) -> _ResultStream:
+        return self
+
+    async def __anext__(self) -> TransferResult:
+        result = await self._queue.get()
+        if result is None:
+            raise StopAsyncIteration
+        return result

@@ -1,0 +1,437 @@
+"""The event poller: turns completion sources into loop callbacks and futures.
+
+There is exactly one poller per running event loop. Backends hand it a
+:class:`~aiokvo.runtime.sources.CompletionSource` together with a *lane*
+(one per direction or stream). Completions within a lane happen in order,
+so only the oldest pending source of each lane is ever checked.
+
+Three ways to wait, chosen per poller and overridable per lane:
+
+``spin``
+    Poll on every loop iteration (a ``call_soon`` chain). Lowest latency,
+    one core busy while anything is pending.
+``adaptive``
+    Spin for ``spin_budget`` seconds after each new submission or
+    completion, then re-check every millisecond (asyncio timers below 1 ms
+    round away, so there is no finer step).
+``thread``
+    One waiter thread per lane blocks in ``source.synchronize()`` and wakes
+    the loop with ``call_soon_threadsafe``. No CPU while waiting; costs one
+    thread hop per batch of completions.
+
+With nothing pending the poller schedules no timers and its threads sleep
+on a condition (exiting after ``idle_thread_timeout``), so it uses no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Hashable
+from typing import ClassVar, Literal, TypeAlias, cast, get_args
+
+from aiokvo.errors import ConfigError, PollerClosedError
+from aiokvo.runtime.sources import CompletionSource
+
+__all__ = [
+    "DEFAULT_POLLER_MODE",
+    "POLLER_MODE_ENV",
+    "CompletionCallback",
+    "EventPoller",
+    "PollerMode",
+    "resolve_poller_mode",
+]
+
+PollerMode: TypeAlias = Literal["spin", "adaptive", "thread"]
+CompletionCallback: TypeAlias = Callable[[BaseException | None], None]
+"""Called on the loop thread with ``None`` on success or the source's error."""
+
+DEFAULT_POLLER_MODE: PollerMode = "thread"
+"""Chosen from ``benchmarks/bench_async.py``; see ``docs/async.md``."""
+
+POLLER_MODE_ENV = "AIOKVO_POLLER_MODE"
+"""Environment variable that overrides the default mode of new pollers."""
+
+_MODES: tuple[str, ...] = get_args(PollerMode)
+_BACKOFF_STEP = 0.001  # asyncio cannot sleep for less than about a millisecond
+
+_Entry: TypeAlias = tuple[CompletionSource, CompletionCallback]
+
+
+def resolve_poller_mode(mode: str | None = None) -> PollerMode:
+    """Return ``mode`` if given, else ``$AIOKVO_POLLER_MODE``, else the default."""
+    origin = "mode"
+    if mode is None:
+        mode = os.environ.get(POLLER_MODE_ENV) or None
+        origin = POLLER_MODE_ENV
+    if mode is None:
+        return DEFAULT_POLLER_MODE
+    if mode not in _MODES:
+        raise ConfigError(f"{origin} must be one of {', '.join(_MODES)}; got {mode!r}")
+    return cast(PollerMode, mode)
+
+
+def _report_callback_error(loop: asyncio.AbstractEventLoop, error: BaseException) -> None:
+    loop.call_exception_handler(
+        {"message": "aiokvo poller: completion callback raised", "exception": error}
+    )
+
+
+class _LaneWaiter:
+    """One thread that waits, in order, on the sources of one lane."""
+
+    def __init__(self, poller: EventPoller, name: str) -> None:
+        self._poller = poller
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: deque[_Entry] = deque()
+        self._alive = False
+        self._closed = False
+        self._name = name
+
+    def push(self, entry: _Entry) -> None:
+        with self._cond:
+            if self._closed:
+                raise PollerClosedError("the event poller is closed")
+            self._queue.append(entry)
+            if not self._alive:
+                self._alive = True
+                thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                thread.start()
+            else:
+                self._cond.notify()
+
+    def close(self) -> list[_Entry]:
+        """Stop the thread and hand back what it had not started on."""
+        with self._cond:
+            self._closed = True
+            pending = list(self._queue)
+            self._queue.clear()
+            self._cond.notify()
+        return pending
+
+    def _stopped(self) -> bool:
+        return self._closed
+
+    def _run(self) -> None:
+        timeout = self._poller.idle_thread_timeout
+        while True:
+            with self._cond:
+                if not self._queue and not self._closed:
+                    self._cond.wait(timeout)
+                if self._closed or not self._queue:
+                    self._alive = False
+                    return
+                source, callback = self._queue[0]
+            error: BaseException | None = None
+            try:
+                source.synchronize()
+            except BaseException as exc:  # the source's failure is the result
+                error = exc
+            batch: list[tuple[CompletionCallback, BaseException | None]] = [(callback, error)]
+            with self._cond:
+                if self._stopped():  # closed while we were blocked
+                    self._alive = False
+                    return
+                self._queue.popleft()
+                # Whatever else already finished rides on the same wake-up.
+                while self._queue:
+                    source, callback = self._queue[0]
+                    try:
+                        if not source.query():
+                            break
+                        error = None
+                    except BaseException as exc:
+                        error = exc
+                    self._queue.popleft()
+                    batch.append((callback, error))
+            if not self._poller._deliver_threadsafe(batch):
+                with self._cond:
+                    self._alive = False
+                return
+
+
+class EventPoller:
+    """Watches completion sources for one event loop; see the module docstring.
+
+    Use :meth:`current` or :meth:`for_loop` rather than the constructor,
+    unless you want to configure the loop's poller before anything else
+    creates it. All methods except :meth:`close` must be called on the
+    loop's thread.
+    """
+
+    _by_loop: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EventPoller]] = (
+        weakref.WeakKeyDictionary()
+    )
+    _registry_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop | None = None,
+        *,
+        mode: PollerMode | None = None,
+        spin_budget: float = 100e-6,
+        idle_thread_timeout: float = 5.0,
+    ) -> None:
+        if loop is None:
+            loop = asyncio.get_running_loop()
+        if loop.is_closed():
+            raise PollerClosedError(f"cannot watch a closed event loop {loop!r}")
+        if spin_budget < 0:
+            raise ConfigError(f"spin_budget must be >= 0 seconds, got {spin_budget!r}")
+        if idle_thread_timeout <= 0:
+            raise ConfigError(
+                f"idle_thread_timeout must be > 0 seconds, got {idle_thread_timeout!r}"
+            )
+        self._mode = resolve_poller_mode(mode)
+        self.spin_budget = float(spin_budget)
+        self.idle_thread_timeout = float(idle_thread_timeout)
+        self._loop_ref = weakref.ref(loop)
+        self._closed = False
+        # Polled lanes (spin and adaptive), keyed by (mode, lane).
+        self._lanes: dict[tuple[str, Hashable], deque[_Entry]] = {}
+        self._spin_lanes = 0
+        self._tick_handle: asyncio.Handle | asyncio.TimerHandle | None = None
+        self._tick_is_timer = False
+        self._spin_until = 0.0
+        self._waiters: dict[Hashable, _LaneWaiter] = {}
+        with EventPoller._registry_lock:
+            existing = EventPoller._by_loop.get(loop)
+            if existing is not None and not existing._closed:
+                raise ConfigError(f"loop {loop!r} already has an EventPoller")
+            EventPoller._by_loop[loop] = self
+        # The registry is weak-keyed, so a collected loop closes its poller.
+        weakref.finalize(loop, self._close_threads)
+
+    # ------------------------------------------------------------------ lookup
+    @classmethod
+    def current(cls) -> EventPoller:
+        """The poller of the running loop, created on first use."""
+        return cls.for_loop(asyncio.get_running_loop())
+
+    @classmethod
+    def for_loop(cls, loop: asyncio.AbstractEventLoop) -> EventPoller:
+        """The poller of ``loop``, created with the defaults on first use."""
+        poller = cls._by_loop.get(loop)
+        if poller is None or poller._closed:
+            try:
+                poller = cls(loop)
+            except ConfigError:  # another thread won the race to create it
+                poller = cls._by_loop[loop]
+        return poller
+
+    @classmethod
+    def existing(cls, loop: asyncio.AbstractEventLoop) -> EventPoller | None:
+        """The live poller of ``loop`` if one was created, without creating one."""
+        poller = cls._by_loop.get(loop)
+        return None if poller is None or poller._closed else poller
+
+    # -------------------------------------------------------------- properties
+    @property
+    def mode(self) -> PollerMode:
+        """The mode used for lanes that do not ask for another."""
+        return self._mode
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def pending(self) -> int:
+        """Sources not yet reported (a snapshot; for tests and diagnostics)."""
+        polled = sum(len(q) for q in self._lanes.values())
+        return polled + sum(len(w._queue) for w in self._waiters.values())
+
+    @property
+    def active_threads(self) -> int:
+        """Waiter threads currently alive."""
+        return sum(1 for w in self._waiters.values() if w._alive)
+
+    # ---------------------------------------------------------------- watching
+    def watch(
+        self, lane: Hashable, source: CompletionSource, *, mode: PollerMode | None = None
+    ) -> asyncio.Future[None]:
+        """A future that resolves when ``source`` completes, or fails with its error.
+
+        Cancelling the future stops nobody from waiting on the source; the
+        lane still waits for it before looking at later sources.
+        """
+        loop = self._require_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        self.add_callback(lane, source, lambda error: _settle(future, error), mode=mode)
+        return future
+
+    def add_callback(
+        self,
+        lane: Hashable,
+        source: CompletionSource,
+        callback: CompletionCallback,
+        *,
+        mode: PollerMode | None = None,
+    ) -> None:
+        """Call ``callback(error_or_None)`` on the loop thread once ``source`` completes.
+
+        The cheaper form of :meth:`watch`, used by handlers: no future per
+        source. Callbacks of one lane run in the order they were added.
+        """
+        loop = self._require_loop()
+        lane_mode = self._mode if mode is None else mode
+        if lane_mode == "thread":
+            self._waiter_for(lane).push((source, callback))
+            return
+        if lane_mode not in _MODES:
+            raise ConfigError(f"mode must be one of {', '.join(_MODES)}; got {lane_mode!r}")
+        key = (lane_mode, lane)
+        queue = self._lanes.get(key)
+        if queue is None:
+            queue = self._lanes[key] = deque()
+            if lane_mode == "spin":
+                self._spin_lanes += 1
+        queue.append((source, callback))
+        self._spin_until = time.perf_counter() + self.spin_budget
+        if self._tick_handle is None:
+            self._tick_handle = loop.call_soon(self._tick)
+            self._tick_is_timer = False
+        elif self._tick_is_timer:  # new work: spin again instead of sleeping
+            self._tick_handle.cancel()
+            self._tick_handle = loop.call_soon(self._tick)
+            self._tick_is_timer = False
+
+    # ----------------------------------------------------------------- closing
+    def close(self) -> None:
+        """Stop polling and release the waiter threads; idempotent.
+
+        Callbacks still pending get :class:`PollerClosedError` when the loop
+        is still open. Safe to call from any thread once the loop is closed.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        loop = self._loop_ref()
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
+            self._tick_handle = None
+        pending: list[_Entry] = []
+        for queue in self._lanes.values():
+            pending.extend(queue)
+        self._lanes.clear()
+        self._spin_lanes = 0
+        pending.extend(self._close_threads())
+        with EventPoller._registry_lock:
+            if loop is not None and EventPoller._by_loop.get(loop) is self:
+                del EventPoller._by_loop[loop]
+        if loop is None or loop.is_closed():
+            return
+        error = PollerClosedError("the event poller closed before this completion")
+        for _, callback in pending:
+            try:
+                callback(error)
+            except Exception as exc:
+                _report_callback_error(loop, exc)
+
+    # --------------------------------------------------------------- internals
+    def _require_loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop_ref()
+        if self._closed or loop is None or loop.is_closed():
+            raise PollerClosedError("the event poller is closed")
+        return loop
+
+    def _waiter_for(self, lane: Hashable) -> _LaneWaiter:
+        waiter = self._waiters.get(lane)
+        if waiter is None:
+            waiter = self._waiters[lane] = _LaneWaiter(self, f"aiokvo-waiter-{lane!r}")
+        return waiter
+
+    def _close_threads(self) -> list[_Entry]:
+        pending: list[_Entry] = []
+        for waiter in list(self._waiters.values()):
+            pending.extend(waiter.close())
+        self._waiters.clear()
+        self._closed = True
+        return pending
+
+    def _deliver_threadsafe(
+        self, batch: list[tuple[CompletionCallback, BaseException | None]]
+    ) -> bool:
+        """Hand completions to the loop from a waiter thread; False if it is gone."""
+        loop = self._loop_ref()
+        if loop is None or self._closed:
+            return False
+        try:
+            loop.call_soon_threadsafe(self._run_batch, batch)
+        except RuntimeError:  # the loop closed under us
+            return False
+        return True
+
+    def _run_batch(self, batch: list[tuple[CompletionCallback, BaseException | None]]) -> None:
+        for callback, error in batch:
+            try:
+                callback(error)
+            except Exception as exc:
+                loop = self._loop_ref()
+                if loop is not None:
+                    _report_callback_error(loop, exc)
+
+    def _poll_lanes(self) -> bool:
+        """Report every finished head of every polled lane; True if any finished."""
+        progressed = False
+        emptied: list[tuple[str, Hashable]] = []
+        for key, queue in self._lanes.items():
+            while queue:
+                source, callback = queue[0]
+                error: BaseException | None = None
+                try:
+                    if not source.query():
+                        break
+                except BaseException as exc:
+                    error = exc
+                queue.popleft()
+                progressed = True
+                try:
+                    callback(error)
+                except Exception as exc:
+                    loop = self._loop_ref()
+                    if loop is not None:
+                        _report_callback_error(loop, exc)
+            if not queue:
+                emptied.append(key)
+        for key in emptied:
+            # A callback may have re-filled the lane; only drop empty ones.
+            left = self._lanes.get(key)
+            if left is not None and not left:
+                del self._lanes[key]
+                if key[0] == "spin":
+                    self._spin_lanes -= 1
+        return progressed
+
+    def _tick(self) -> None:
+        self._tick_handle = None
+        if self._closed:
+            return
+        progressed = self._poll_lanes()
+        if not self._lanes or self._tick_handle is not None:
+            return  # idle (no timers), or a callback already re-armed us
+        loop = self._loop_ref()
+        if loop is None or loop.is_closed():
+            return
+        now = time.perf_counter()
+        if progressed:
+            self._spin_until = now + self.spin_budget
+        if self._spin_lanes or now < self._spin_until:
+            self._tick_handle = loop.call_soon(self._tick)
+            self._tick_is_timer = False
+        else:
+            self._tick_handle = loop.call_later(_BACKOFF_STEP, self._tick)
+            self._tick_is_timer = True
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
