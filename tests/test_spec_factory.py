@@ -1,0 +1,353 @@
+"""OffloadingSpec / CPUOffloadingSpec wiring and the lazy OffloadingSpecFactory."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import types
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aiokvo.config import OffloadConfig
+from aiokvo.errors import ConfigError, SpecLoadError
+from aiokvo.factory import OffloadingSpecFactory
+from aiokvo.spec import CPUOffloadingSpec, OffloadingSpec
+from aiokvo.specs import CPULoadStoreSpec, GPULoadStoreSpec
+
+MIB = 1 << 20
+
+
+def make_config(**overrides: Any) -> OffloadConfig:
+    fields: dict[str, Any] = {
+        "gpu_block_sizes": (16,),
+        "hash_block_size": 16,
+        "cpu_bytes_to_use": 64 * MIB,
+        "kv_bytes_per_block": MIB,
+    }
+    fields.update(overrides)
+    return OffloadConfig(**fields)
+
+
+# -- fakes standing in for the manager and handler modules --------------------------
+
+
+class FakeManager:
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+        self.shutdowns = 0
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+class FakeReuse(FakeManager):
+    def __init__(self, backing: FakeManager, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.backing = backing
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.backing.shutdown()
+
+
+@dataclass
+class FakePair:
+    kv_caches: object
+    kwargs: dict[str, Any]
+    gpu_to_cpu: object = field(default_factory=object)
+    cpu_to_gpu: object = field(default_factory=object)
+    closes: int = 0
+
+    async def aclose(self) -> None:
+        self.closes += 1
+
+
+@pytest.fixture
+def fake_core(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
+    """Replace the manager and handler-pair modules with recording fakes."""
+    built: dict[str, list[Any]] = {"managers": [], "reuse": [], "pairs": []}
+
+    def cpu_manager(**kwargs: Any) -> FakeManager:
+        built["managers"].append(FakeManager(**kwargs))
+        return built["managers"][-1]
+
+    def reuse_manager(backing: FakeManager, **kwargs: Any) -> FakeReuse:
+        built["reuse"].append(FakeReuse(backing, **kwargs))
+        return built["reuse"][-1]
+
+    def make_pair(kv_caches: object, **kwargs: Any) -> FakePair:
+        built["pairs"].append(FakePair(kv_caches, kwargs))
+        return built["pairs"][-1]
+
+    for name, attr, value in (
+        ("aiokvo.manager.cpu", "CPUOffloadingManager", cpu_manager),
+        ("aiokvo.manager.reuse", "FilterReusedOffloadingManager", reuse_manager),
+        ("aiokvo.handlers.pair", "make_cpu_gpu_handlers", make_pair),
+    ):
+        module = types.ModuleType(name)
+        setattr(module, attr, value)
+        monkeypatch.setitem(sys.modules, name, module)
+    return built
+
+
+# -- OffloadingSpec / CPUOffloadingSpec -----------------------------------------------
+
+
+def test_spec_needs_an_offload_config() -> None:
+    with pytest.raises(ConfigError, match=r"OffloadConfig, got \{'cpu_bytes_to_use': 1\}"):
+        CPUOffloadingSpec({"cpu_bytes_to_use": 1})  # type: ignore[arg-type]
+
+
+def test_offloading_spec_is_abstract() -> None:
+    with pytest.raises(TypeError):
+        OffloadingSpec(make_config())  # type: ignore[abstract]
+
+
+def test_cpu_spec_sizes_the_pool_from_the_config() -> None:
+    config = make_config(world_size=2, offloaded_block_size=32)
+    spec = CPUOffloadingSpec(config)
+    assert spec.block_size_factor == 2
+    assert spec.num_blocks == config.num_cpu_blocks == 64 * MIB // (MIB * 2 * 2)
+
+
+@pytest.mark.parametrize("threshold", [0, 1])
+def test_get_manager_builds_the_cpu_manager_once(
+    fake_core: dict[str, list[Any]], threshold: int
+) -> None:
+    config = make_config(eviction_policy="arc", enable_events=True, store_threshold=threshold)
+    spec = CPUOffloadingSpec(config)
+    manager = spec.get_manager()
+    assert spec.get_manager() is manager
+    assert fake_core["managers"] == [manager]
+    assert fake_core["reuse"] == []
+    assert manager.kwargs == {"num_blocks": 64, "cache_policy": "arc", "enable_events": True}
+
+
+@pytest.mark.parametrize("threshold", [2, 5])
+def test_get_manager_wraps_the_reuse_filter_from_threshold_two(
+    fake_core: dict[str, list[Any]], threshold: int
+) -> None:
+    spec = CPUOffloadingSpec(make_config(store_threshold=threshold, max_tracker_size=99))
+    manager = spec.get_manager()
+    assert spec.get_manager() is manager
+    assert fake_core["reuse"] == [manager]
+    assert manager.backing is fake_core["managers"][0]
+    assert manager.kwargs == {"store_threshold": threshold, "max_tracker_size": 99}
+
+
+def test_get_handlers_yields_both_directions_built_once(fake_core: dict[str, list[Any]]) -> None:
+    spec = CPUOffloadingSpec(make_config(offloaded_block_size=48))
+    kv_caches = object()
+    routes = list(spec.get_handlers(kv_caches))
+    (pair,) = fake_core["pairs"]
+    assert pair.kv_caches is kv_caches
+    assert pair.kwargs == {"block_size_factor": 3, "num_cpu_blocks": 64 * MIB // (3 * MIB)}
+    assert routes == [
+        (GPULoadStoreSpec, CPULoadStoreSpec, pair.gpu_to_cpu),
+        (CPULoadStoreSpec, GPULoadStoreSpec, pair.cpu_to_gpu),
+    ]
+    assert list(spec.get_handlers(kv_caches)) == routes
+    assert len(fake_core["pairs"]) == 1
+
+
+def test_get_handlers_raises_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = types.ModuleType("aiokvo.handlers.pair")
+
+    def broken(kv_caches: object, **kwargs: Any) -> None:
+        raise ConfigError("no tensors in kv_caches")
+
+    module.make_cpu_gpu_handlers = broken  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "aiokvo.handlers.pair", module)
+    spec = CPUOffloadingSpec(make_config())
+    with pytest.raises(ConfigError, match="no tensors"):
+        spec.get_handlers(object())  # not only once iterated
+
+
+async def test_aclose_closes_handlers_and_shuts_the_manager_down(
+    fake_core: dict[str, list[Any]],
+) -> None:
+    async with CPUOffloadingSpec(make_config(store_threshold=2)) as spec:
+        wrapped = spec.get_manager()
+        list(spec.get_handlers(object()))
+    (pair,) = fake_core["pairs"]
+    (backing,) = fake_core["managers"]
+    assert (pair.closes, wrapped.shutdowns, backing.shutdowns) == (1, 1, 1)
+    await spec.aclose()  # idempotent
+    assert (pair.closes, wrapped.shutdowns) == (1, 1)
+
+
+async def test_aclose_of_an_unused_spec_is_a_no_op(fake_core: dict[str, list[Any]]) -> None:
+    await CPUOffloadingSpec(make_config()).aclose()
+    assert fake_core == {"managers": [], "reuse": [], "pairs": []}
+
+
+# -- OffloadingSpecFactory ------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def base_registry_unchanged() -> Iterator[None]:
+    before = OffloadingSpecFactory.registered_specs()
+    yield
+    assert OffloadingSpecFactory.registered_specs() == before, "a test leaked a registration"
+
+
+@pytest.fixture
+def factory() -> type[OffloadingSpecFactory]:
+    """A factory subclass with its own copy of the registry."""
+    return type("IsolatedFactory", (OffloadingSpecFactory,), {})
+
+
+@pytest.fixture
+def spec_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """An importable, not yet imported module with a few spec-like classes."""
+    name = f"aiokvo_test_specs_{uuid.uuid4().hex}"
+    (tmp_path / f"{name}.py").write_text(
+        textwrap.dedent(
+            """
+            from aiokvo.spec import OffloadingSpec
+
+            class LazySpec(OffloadingSpec):
+                def get_manager(self):
+                    raise NotImplementedError
+
+                def get_handlers(self, kv_caches):
+                    return iter(())
+
+            class AbstractSpec(OffloadingSpec):
+                pass
+
+            class NotASpec:
+                def __init__(self, config):
+                    self.config = config
+
+            def spec_function(config):
+                return None
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def test_cpu_spec_is_preregistered() -> None:
+    assert OffloadingSpecFactory.registered_specs()["CPUOffloadingSpec"] == (
+        "aiokvo.spec",
+        "CPUOffloadingSpec",
+    )
+    spec = OffloadingSpecFactory.create_spec(make_config())
+    assert type(spec) is CPUOffloadingSpec
+    assert spec.config == make_config()
+
+
+def test_registration_is_lazy(factory: type[OffloadingSpecFactory], spec_module: str) -> None:
+    factory.register_spec("Lazy", spec_module, "LazySpec")
+    assert spec_module not in sys.modules
+    config = make_config(spec_name="Lazy")
+    spec = factory.create_spec(config)
+    assert spec_module in sys.modules
+    assert type(spec).__name__ == "LazySpec"
+    assert type(spec).__module__ == spec_module
+    assert spec.config is config
+
+
+def test_registry_is_per_class(factory: type[OffloadingSpecFactory], spec_module: str) -> None:
+    factory.register_spec("Lazy", spec_module, "LazySpec")
+    assert "Lazy" in factory.registered_specs()
+    assert "Lazy" not in OffloadingSpecFactory.registered_specs()
+    with pytest.raises(SpecLoadError, match="'Lazy'"):
+        OffloadingSpecFactory.create_spec(make_config(spec_name="Lazy"))
+
+
+def test_register_and_unregister_on_the_base_class(spec_module: str) -> None:
+    OffloadingSpecFactory.register_spec("LazyOnBase", spec_module, "LazySpec")
+    try:
+        spec = OffloadingSpecFactory.create_spec(make_config(spec_name="LazyOnBase"))
+        assert type(spec).__name__ == "LazySpec"
+    finally:
+        OffloadingSpecFactory.unregister_spec("LazyOnBase")
+    assert "LazyOnBase" not in OffloadingSpecFactory.registered_specs()
+
+
+def test_registering_a_name_twice_fails(factory: type[OffloadingSpecFactory]) -> None:
+    with pytest.raises(SpecLoadError, match=r"'CPUOffloadingSpec' is already registered"):
+        factory.register_spec("CPUOffloadingSpec", "elsewhere", "Other")
+    assert factory.registered_specs()["CPUOffloadingSpec"] == ("aiokvo.spec", "CPUOffloadingSpec")
+
+
+@pytest.mark.parametrize(
+    ("args", "bad"),
+    [
+        (("", "m", "C"), "name"),
+        (("n", "", "C"), "module_path"),
+        (("n", "m", None), "class_name"),
+    ],
+)
+def test_register_rejects_empty_arguments(
+    factory: type[OffloadingSpecFactory], args: tuple[Any, ...], bad: str
+) -> None:
+    with pytest.raises(SpecLoadError, match=f"{bad} must be a non-empty string"):
+        factory.register_spec(*args)
+
+
+def test_unregister_unknown_name_fails(factory: type[OffloadingSpecFactory]) -> None:
+    with pytest.raises(SpecLoadError, match="'Nope' is not registered"):
+        factory.unregister_spec("Nope")
+
+
+def test_unknown_name_falls_back_to_the_module_path(
+    factory: type[OffloadingSpecFactory], spec_module: str
+) -> None:
+    spec = factory.create_spec(make_config(spec_name="LazySpec", spec_module_path=spec_module))
+    assert type(spec).__name__ == "LazySpec"
+    assert type(spec).__module__ == spec_module
+
+
+def test_registry_wins_over_the_module_path(
+    factory: type[OffloadingSpecFactory], spec_module: str
+) -> None:
+    config = make_config(spec_name="CPUOffloadingSpec", spec_module_path=spec_module)
+    assert type(factory.create_spec(config)) is CPUOffloadingSpec
+    assert spec_module not in sys.modules
+
+
+def test_unknown_name_without_module_path_fails(factory: type[OffloadingSpecFactory]) -> None:
+    with pytest.raises(SpecLoadError, match=r"unknown offloading spec 'GhostSpec'"):
+        factory.create_spec(make_config(spec_name="GhostSpec"))
+
+
+def test_missing_registered_module_fails(factory: type[OffloadingSpecFactory]) -> None:
+    factory.register_spec("Broken", "aiokvo_no_such_module_xyz", "Spec")
+    with pytest.raises(SpecLoadError, match=r"cannot import module 'aiokvo_no_such_module_xyz'"):
+        factory.create_spec(make_config(spec_name="Broken"))
+
+
+def test_missing_fallback_module_fails(factory: type[OffloadingSpecFactory]) -> None:
+    config = make_config(spec_name="Spec", spec_module_path="aiokvo_no_such_module_xyz")
+    with pytest.raises(SpecLoadError, match=r"'aiokvo_no_such_module_xyz' for offloading spec"):
+        factory.create_spec(config)
+
+
+@pytest.mark.parametrize(
+    ("class_name", "message"),
+    [
+        ("MissingSpec", r"has no class 'MissingSpec'"),
+        ("NotASpec", r"\.NotASpec is not an OffloadingSpec subclass"),
+        ("spec_function", r"\.spec_function is not an OffloadingSpec subclass"),
+        ("AbstractSpec", r"\.AbstractSpec is abstract"),
+    ],
+)
+def test_bad_class_fails_naming_it(
+    factory: type[OffloadingSpecFactory], spec_module: str, class_name: str, message: str
+) -> None:
+    factory.register_spec("Bad", spec_module, class_name)
+    with pytest.raises(SpecLoadError, match=message):
+        factory.create_spec(make_config(spec_name="Bad"))
+    config = make_config(spec_name=class_name, spec_module_path=spec_module)
+    with pytest.raises(SpecLoadError, match=message):
+        factory.create_spec(config)
