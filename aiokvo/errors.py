@@ -20,6 +20,9 @@ __all__ = [
     "HandlerClosedError",
     "InvalidSpecError",
     "PollerClosedError",
+    "SharedRegionError",
+    "SharedRegionLayoutError",
+    "SharedRegionTimeoutError",
     "SpecLoadError",
     "SubscriptionClosed",
     "TransferError",
@@ -120,3 +123,15 @@ class HandlerClosedError(TransferSpecError):
 
 class PollerClosedError(AiokvoError, RuntimeError):
     """The event poller closed while a completion it watched was still pending."""
+
+
+class SharedRegionError(AiokvoError):
+    """A shared offload region could not be created, attached, used or released."""
+
+
+class SharedRegionTimeoutError(SharedRegionError, TimeoutError):
+    """A rank gave up waiting for a peer to finish creating a shared region."""
+
+
+class SharedRegionLayoutError(SharedRegionError, ValueError):
+    """A shared region's layout does not fit the request (live owner disagrees, slice full)."""

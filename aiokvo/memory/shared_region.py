@@ -1,0 +1,757 @@
+"""A CPU offload pool in one ``/dev/shm`` file, shared by the ranks of one engine.
+
+Each rank (worker process) maps the same file. Every block is one *row*; a row
+holds the pages of all ranks side by side, so rank ``r``'s bytes for block
+``b`` start at ``b * row_stride + r * page_bytes_per_rank``. A rank carves its
+per-layer views out of its own slice of every row with :meth:`create_next_view`.
+
+The file starts with a one-page header (see ``docs/memory.md``) that names the
+creator's pid, a generation number and the layout. A creation lock (``flock``
+on a sidecar ``.lock`` file) serialises creating, attaching and replacing, so
+a file left by a crashed creator is noticed and replaced, never reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import functools
+import gc
+import importlib
+import logging
+import mmap
+import os
+import re
+import stat
+import struct
+import time
+import warnings
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, Protocol, Self
+
+import torch
+
+from aiokvo.errors import (
+    ConfigError,
+    SharedRegionError,
+    SharedRegionLayoutError,
+    SharedRegionTimeoutError,
+)
+
+__all__ = ["DEFAULT_DIRECTORY", "PrefaultMethod", "SharedOffloadRegion"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DIRECTORY = "/dev/shm"
+"""Where regions live unless a caller passes ``directory=``."""
+
+PrefaultMethod = Literal["madvise", "touch", "none"]
+
+# Linux 5.14+; Python only names it from 3.13 on (the value is ABI-stable).
+_MADV_POPULATE_WRITE: int = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_PAGE = mmap.ALLOCATIONGRANULARITY  # mmap offsets must be multiples of this
+_HEADER_BYTES = _PAGE  # the data area starts on the next page boundary
+_INSTANCE_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
+_LOCK_POLL_S = 0.005
+_CLOSE_LOCK_TIMEOUT_S = 2.0
+
+
+class _Registration(Protocol):
+    """What :meth:`SharedOffloadRegion.pin` needs from ``aiokvo.memory.pinned``."""
+
+    def register(self) -> Any: ...
+
+    def unregister(self) -> Any: ...
+
+
+# --------------------------------------------------------------------------- header
+
+_STATE_CREATING = 1
+_STATE_READY = 2
+_MAGIC = b"AIOKVOSR"
+_VERSION = 1
+_HEADER = struct.Struct("<8sII qqQ QQQQQ Q16s")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    header_bytes: int
+    data_bytes: int
+    num_blocks: int
+    num_workers: int
+    page_bytes_per_rank: int
+
+    @property
+    def file_bytes(self) -> int:
+        return self.header_bytes + _round_up(self.data_bytes, _PAGE)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Header:
+    """The region file's first bytes; the rest of the first page is zero."""
+
+    state: int
+    owner_pid: int
+    owner_start_ticks: int  # /proc/<pid>/stat starttime; tells a reused pid apart
+    generation: int
+    layout: _Layout
+    pid_namespace: int  # pids are only comparable inside one namespace
+    boot_id: bytes  # a file from an earlier boot has a dead owner, whatever its pid
+
+    def pack(self) -> bytes:
+        lay = self.layout
+        return _HEADER.pack(
+            _MAGIC, _VERSION, self.state,
+            self.owner_pid, self.owner_start_ticks, self.generation,
+            lay.header_bytes, lay.data_bytes, lay.num_blocks, lay.num_workers,
+            lay.page_bytes_per_rank, self.pid_namespace, self.boot_id,
+        )  # fmt: skip
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> _Header | None:
+        """The header in ``raw``, or None if ``raw`` is not one of ours."""
+        if len(raw) < _HEADER.size:
+            return None
+        fields = _HEADER.unpack_from(raw)
+        if fields[0] != _MAGIC or fields[1] != _VERSION:
+            return None
+        (_, _, state, pid, start, generation, hdr, data, blocks, workers, page, ns, boot) = fields
+        layout = _Layout(hdr, data, blocks, workers, page)
+        return cls(state, pid, start, generation, layout, ns, boot)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Opened:
+    fd: int
+    creator: bool
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _NotReady:
+    """A live creator has made the file but not finished sizing it."""
+
+    size: int
+    owner_pid: int
+
+
+# ------------------------------------------------------------------ process identity
+
+
+def _boot_id() -> bytes:
+    try:
+        text = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return bytes.fromhex(text.replace("-", ""))[:16].ljust(16, b"\0")
+    except (OSError, ValueError):
+        return bytes(16)
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """``(state letter, start time in clock ticks)`` of ``pid``, or None if unknown."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw.rpartition(")")[2].split()  # the command name may contain spaces
+    try:
+        return fields[0], int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _owner_alive(header: _Header) -> bool:
+    """Whether the process that created a region file may still be running.
+
+    When in doubt (another pid namespace) the answer is yes: a live peer's
+    file must never be replaced.
+    """
+    if header.boot_id != bytes(16) and header.boot_id != _boot_id():
+        return False
+    if header.pid_namespace != _pid_namespace():
+        return True
+    if header.owner_pid <= 0:
+        return False
+    try:
+        os.kill(header.owner_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, belongs to someone else
+    info = _proc_stat(header.owner_pid)
+    if info is None:
+        return True
+    state, start_ticks = info
+    if state in ("Z", "X"):  # killed, not yet reaped by its parent
+        return False
+    return not (header.owner_start_ticks and start_ticks != header.owner_start_ticks)
+
+
+def _own_start_ticks() -> int:
+    info = _proc_stat(os.getpid())
+    return info[1] if info else 0
+
+
+# ------------------------------------------------------------------ creation lock
+
+
+def _acquire_lock(lock_path: Path, deadline: float) -> int | None:
+    """An fd holding ``flock(LOCK_EX)`` on ``lock_path``, or None at the deadline.
+
+    The creator unlinks the lock file when it closes, so after locking we check
+    that the path still names the inode we locked; if not, start again.
+    """
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        os.close(fd)
+                        return None
+                    time.sleep(_LOCK_POLL_S)
+            if _same_file(fd, lock_path):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def _release_lock(fd: int) -> None:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        on_disk = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (on_disk.st_dev, on_disk.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+# ------------------------------------------------------------------ the region
+
+
+def _release_file(
+    fd: int, path: Path, lock_path: Path, identity: tuple[int, int], unlink: bool, pid: int
+) -> None:
+    """Close the region's fd; the creator also removes the file and its lock.
+
+    Runs from :meth:`SharedOffloadRegion.close` or, if the region was never
+    closed, when it is garbage-collected or the interpreter exits. A forked
+    child shares the creator's object but not its duty to unlink.
+    """
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    if not unlink or os.getpid() != pid:
+        return
+    lock_fd = _acquire_lock(lock_path, time.monotonic() + _CLOSE_LOCK_TIMEOUT_S)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) == identity:  # not a successor's replacement
+                os.unlink(path)
+        if lock_fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock_path)
+    finally:
+        if lock_fd is not None:
+            _release_lock(lock_fd)
+
+
+class SharedOffloadRegion:
+    """One engine's CPU offload pool, mapped by each of its ranks.
+
+    Every rank constructs one with the same ``instance_id`` and layout. The
+    first to arrive creates the file (``O_CREAT | O_EXCL``, mode 0600); the
+    others attach, waiting up to ``timeout`` seconds for it to be ready. The
+    creator removes the file on :meth:`close`; the others never do.
+
+    ``rank=None`` maps the whole region without a slice of its own (for a
+    reader that needs every rank's rows, see :meth:`rows`).
+    """
+
+    def __init__(
+        self,
+        instance_id: str,
+        *,
+        num_blocks: int,
+        num_workers: int,
+        page_bytes_per_rank: int,
+        rank: int | None,
+        total_size_bytes: int | None = None,
+        directory: str | os.PathLike[str] = DEFAULT_DIRECTORY,
+        timeout: float = 30.0,
+        prefault: bool = True,
+    ) -> None:
+        _check_positive("num_blocks", num_blocks)
+        _check_positive("num_workers", num_workers)
+        _check_positive("page_bytes_per_rank", page_bytes_per_rank)
+        if rank is not None and (isinstance(rank, bool) or not 0 <= rank < num_workers):
+            raise ConfigError(f"rank must be in 0..{num_workers - 1} or None, got {rank!r}")
+        if not isinstance(instance_id, str) or not _INSTANCE_ID.fullmatch(instance_id):
+            raise ConfigError(
+                "instance_id must be 1-200 characters from [A-Za-z0-9._-] not starting "
+                f"with '.', got {instance_id!r}"
+            )
+        if not timeout >= 0:
+            raise ConfigError(f"timeout must be >= 0 seconds, got {timeout!r}")
+        row_stride = page_bytes_per_rank * num_workers
+        needed = num_blocks * row_stride
+        if total_size_bytes is None:
+            total_size_bytes = needed
+        _check_positive("total_size_bytes", total_size_bytes)
+        if total_size_bytes < needed:
+            raise ConfigError(
+                f"total_size_bytes={total_size_bytes} is too small for {num_blocks} blocks of "
+                f"{num_workers} x {page_bytes_per_rank} bytes (needs {needed})"
+            )
+        self._layout = _Layout(
+            _HEADER_BYTES, total_size_bytes, num_blocks, num_workers, page_bytes_per_rank
+        )
+        self._rank = rank
+        self._row_stride = row_stride
+        self._timeout = float(timeout)
+        directory = Path(directory)
+        self._path = directory / f"aiokvo_offload_{instance_id}.mmap"
+        self._lock_path = directory / f"aiokvo_offload_{instance_id}.lock"
+        self._views: list[torch.Tensor] = []
+        self._next_offset = 0 if rank is None else rank * page_bytes_per_rank
+        self._registration: _Registration | None = None
+        self._closed = False
+        self._prefault_method: PrefaultMethod = "none"
+
+        fd, self._creator, self._generation = self._open_file()
+        st = os.fstat(fd)
+        self._finalizer = weakref.finalize(
+            self, _release_file, fd, self._path, self._lock_path,
+            (st.st_dev, st.st_ino), self._creator, os.getpid(),
+        )  # fmt: skip
+        try:
+            self._mmap = mmap.mmap(
+                fd,
+                self._layout.file_bytes - _HEADER_BYTES,
+                flags=mmap.MAP_SHARED,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                offset=_HEADER_BYTES,
+            )
+            if prefault:
+                self._prefault_method = self._prefault()
+            buffer = memoryview(self._mmap)
+            self._base: torch.Tensor | None = torch.frombuffer(buffer, dtype=torch.int8)
+            del buffer  # torch holds its own export; ours must not outlive close()
+        except BaseException:
+            self._closed = True
+            self._base = None
+            if hasattr(self, "_mmap"):
+                with contextlib.suppress(BufferError):
+                    self._mmap.close()
+            self._finalizer()
+            raise
+
+    # ---------------------------------------------------------------- opening
+
+    @classmethod
+    async def open(cls, instance_id: str, **kwargs: Any) -> SharedOffloadRegion:
+        """Construct on a worker thread so that waiting for a peer never blocks the loop.
+
+        Cancelling the caller does not leak the region: if the thread finishes
+        after the cancellation, the region it made is closed.
+        """
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(None, functools.partial(cls, instance_id, **kwargs))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(_close_orphan)
+            raise
+
+    def _open_file(self) -> tuple[int, bool, int]:
+        """``(fd, is_creator, generation)``: create, attach or replace, under the lock."""
+        deadline = time.monotonic() + self._timeout
+        while True:
+            lock_fd = _acquire_lock(self._lock_path, deadline)
+            if lock_fd is None:
+                raise SharedRegionTimeoutError(
+                    f"timed out after {self._timeout}s waiting for the creation lock "
+                    f"{self._lock_path} of {self._path} (expected size "
+                    f"{self._layout.file_bytes} bytes); another process holds it"
+                )
+            try:
+                attempt = self._create_or_attach()
+            finally:
+                _release_lock(lock_fd)
+            if isinstance(attempt, _Opened):
+                return attempt.fd, attempt.creator, attempt.generation
+            if time.monotonic() >= deadline:
+                raise SharedRegionTimeoutError(
+                    f"timed out after {self._timeout}s waiting for {self._path} to reach "
+                    f"{self._layout.file_bytes} bytes and be marked ready (it has "
+                    f"{attempt.size} bytes; creator pid {attempt.owner_pid} is alive)"
+                )
+            time.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
+
+    def _create_or_attach(self) -> _Opened | _NotReady:
+        """One attempt, with the lock held."""
+        generation = 1
+        for _ in range(2):  # at most: replace a stale file, then create
+            try:
+                return _Opened(self._create(generation), True, generation)
+            except FileExistsError:
+                pass
+            try:
+                fd = os.open(self._path, os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                st = os.fstat(fd)
+                self._check_ownership(st)
+                header = _Header.unpack(os.pread(fd, _HEADER.size, 0))
+                if header is not None and _owner_alive(header):
+                    if header.layout != self._layout:
+                        raise SharedRegionLayoutError(
+                            f"{self._path} is in use by live pid {header.owner_pid} with layout "
+                            f"{_describe(header.layout)}, but this rank asked for "
+                            f"{_describe(self._layout)}"
+                        )
+                    if header.state == _STATE_READY and st.st_size >= self._layout.file_bytes:
+                        attached, fd = fd, -1
+                        return _Opened(attached, False, header.generation)
+                    return _NotReady(st.st_size, header.owner_pid)  # creator still busy
+                log.warning(
+                    "replacing stale shared region %s (%s)", self._path,
+                    "no valid header" if header is None
+                    else f"owner pid {header.owner_pid} is gone, generation {header.generation}",
+                )  # fmt: skip
+                generation = header.generation + 1 if header else 1
+                os.unlink(self._path)
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+        raise SharedRegionError(f"{self._path} keeps reappearing while being replaced")
+
+    def _create(self, generation: int) -> int:
+        """Make the file: header (creating), size, header (ready). Raises FileExistsError."""
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            self._check_room()
+            os.fchmod(fd, 0o600)  # whatever the umask
+            header = _Header(
+                _STATE_CREATING, os.getpid(), _own_start_ticks(), generation,
+                self._layout, _pid_namespace(), _boot_id(),
+            )  # fmt: skip
+            os.pwrite(fd, header.pack(), 0)
+            os.ftruncate(fd, self._layout.file_bytes)
+            os.pwrite(fd, dataclasses.replace(header, state=_STATE_READY).pack(), 0)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(self._path)
+            raise
+        return fd
+
+    def _check_room(self) -> None:
+        """Fail now, with sizes, rather than with SIGBUS when a page is first touched."""
+        try:
+            vfs = os.statvfs(self._path.parent)
+        except FileNotFoundError:
+            raise SharedRegionError(f"directory {self._path.parent} does not exist") from None
+        free = vfs.f_bavail * vfs.f_frsize
+        if free and free < self._layout.file_bytes:
+            raise SharedRegionError(
+                f"{self._path.parent} has {free} bytes free, too few for a "
+                f"{self._layout.file_bytes}-byte region {self._path}"
+            )
+
+    def _check_ownership(self, st: os.stat_result) -> None:
+        if not stat.S_ISREG(st.st_mode):
+            raise SharedRegionError(f"{self._path} exists but is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise SharedRegionError(
+                f"{self._path} belongs to uid {st.st_uid}, not to this process's uid "
+                f"{os.geteuid()}; refusing to map it"
+            )
+
+    # ---------------------------------------------------------------- prefault
+
+    def _own_spans(self) -> Iterator[tuple[int, int]]:
+        """``(start, end)`` byte spans this process will touch, in order."""
+        lay = self._layout
+        if self._rank is None:
+            yield 0, lay.data_bytes
+            return
+        first = self._rank * lay.page_bytes_per_rank
+        for block in range(lay.num_blocks):
+            start = block * self._row_stride + first
+            yield start, start + lay.page_bytes_per_rank
+
+    def _page_ranges(self) -> Iterator[tuple[int, int]]:
+        """Page-aligned ``(offset, length)`` covering :meth:`_own_spans`, merged."""
+        current: tuple[int, int] | None = None
+        for start, end in self._own_spans():
+            lo, hi = start // _PAGE * _PAGE, _round_up(end, _PAGE)
+            if current is not None and lo <= current[1]:
+                current = (current[0], max(current[1], hi))
+                continue
+            if current is not None:
+                yield current[0], current[1] - current[0]
+            current = (lo, hi)
+        if current is not None:
+            yield current[0], current[1] - current[0]
+
+    def _prefault(self) -> PrefaultMethod:
+        """Fault this rank's pages in now, so the first DMA does not take page faults."""
+        try:
+            for offset, length in self._page_ranges():
+                assert offset % _PAGE == 0
+                self._mmap.madvise(_MADV_POPULATE_WRITE, offset, length)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # ENOMEM, EFAULT: the tmpfs is full
+                raise SharedRegionError(
+                    f"could not pre-fault {self._path} ({self._layout.file_bytes} bytes): "
+                    f"{exc.strerror}; is {self._path.parent} large enough?"
+                ) from exc
+            self._touch_pages()  # kernel older than 5.14
+            return "touch"
+        return "madvise"
+
+    def _touch_pages(self) -> None:
+        """Fault pages in by hand: rewrite one own byte per page, or just read.
+
+        Only bytes this rank owns are written (with their own value), so a peer
+        writing its half of a shared page at the same time is never clobbered.
+        """
+        base = torch.frombuffer(memoryview(self._mmap), dtype=torch.int8)
+        try:
+            lay = self._layout
+            if self._rank is None:
+                int(base[::_PAGE].sum())  # reading faults the page in; writing could race
+                return
+            span = lay.page_bytes_per_rank
+            first = self._rank * span
+            per_row = _round_up(span, _PAGE) // _PAGE
+            stride = self._row_stride
+            torch.as_strided(base, (lay.num_blocks, per_row), (stride, _PAGE), first).add_(0)
+            torch.as_strided(base, (lay.num_blocks, 1), (stride, 1), first + span - 1).add_(0)
+        finally:
+            del base
+
+    # ---------------------------------------------------------------- views
+
+    def create_next_view(self, tensor_page_size: int) -> torch.Tensor:
+        """The next ``(num_blocks, tensor_page_size)`` int8 view in this rank's slice.
+
+        Views are packed one after another inside the rank's slice of each row,
+        so the row stride (every rank's pages) is the view's first stride.
+        """
+        base = self._open_base()
+        if self._rank is None:
+            raise SharedRegionError(f"{self._path} was opened without a rank; use rows()")
+        _check_positive("tensor_page_size", tensor_page_size)
+        lay = self._layout
+        slice_end = (self._rank + 1) * lay.page_bytes_per_rank
+        if self._next_offset + tensor_page_size > slice_end:
+            used = self._next_offset - self._rank * lay.page_bytes_per_rank
+            raise SharedRegionLayoutError(
+                f"a view of {tensor_page_size} bytes per block does not fit rank {self._rank}'s "
+                f"slice of {lay.page_bytes_per_rank} bytes ({used} already used, "
+                f"{lay.page_bytes_per_rank - used} left)"
+            )
+        view = torch.as_strided(
+            base, (lay.num_blocks, tensor_page_size), (self._row_stride, 1), self._next_offset
+        )
+        self._next_offset += tensor_page_size
+        self._views.append(view)
+        return view
+
+    def rows(self) -> torch.Tensor:
+        """All ranks' pages, one ``(row_stride,)`` int8 row per block."""
+        base = self._open_base()
+        lay = self._layout
+        return torch.as_strided(base, (lay.num_blocks, self._row_stride), (self._row_stride, 1))
+
+    def _open_base(self) -> torch.Tensor:
+        if self._closed or self._base is None:
+            raise SharedRegionError(f"shared region {self._path} is closed")
+        return self._base
+
+    # ---------------------------------------------------------------- pinning
+
+    def pin(self, driver: object | None = None) -> None:
+        """Register the whole mapping with CUDA as pinned memory (idempotent).
+
+        Pinning is lazy because it faults in and locks every page, every rank's
+        included; ``close()`` unregisters before unmapping.
+        """
+        base = self._open_base()
+        if self._registration is not None:
+            return
+        pinned = importlib.import_module("aiokvo.memory.pinned")
+        registration: _Registration = pinned.HostRegistration(
+            base.data_ptr(), self._mmap.size(), driver=driver
+        )
+        registration.register()
+        self._registration = registration
+
+    @property
+    def is_pinned(self) -> bool:
+        return self._registration is not None
+
+    # ---------------------------------------------------------------- closing
+
+    def close(self) -> None:
+        """Unpin, drop the views, unmap, close, and (creator only) unlink. Idempotent.
+
+        If the caller still holds views, the mapping cannot be unmapped yet: a
+        ``ResourceWarning`` says so and the memory stays valid until the last
+        view is freed. The file is removed either way.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        registration, self._registration = self._registration, None
+        try:
+            if registration is not None:
+                registration.unregister()
+        finally:
+            self._views.clear()
+            self._base = None
+            self._unmap()
+            self._finalizer()
+
+    def _unmap(self) -> None:
+        try:
+            self._mmap.close()
+            return
+        except BufferError:
+            gc.collect()  # views caught in reference cycles (tracebacks, frames)
+        try:
+            self._mmap.close()
+        except BufferError:
+            warnings.warn(
+                f"shared region {self._path} closed while views of it are alive; the "
+                "mapping is released when the last view is freed",
+                ResourceWarning,
+                stacklevel=3,
+            )
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:  # fmt: skip
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:  # fmt: skip
+        self.close()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- facts
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def is_creator(self) -> bool:
+        """True in the process that made the file (and will remove it)."""
+        return self._creator
+
+    @property
+    def generation(self) -> int:
+        """1 for a fresh file, one more each time a stale file was replaced.
+
+        Ranks of one engine can compare it to check they attached to the same file.
+        """
+        return self._generation
+
+    @property
+    def rank(self) -> int | None:
+        return self._rank
+
+    @property
+    def num_blocks(self) -> int:
+        return self._layout.num_blocks
+
+    @property
+    def num_workers(self) -> int:
+        return self._layout.num_workers
+
+    @property
+    def page_bytes_per_rank(self) -> int:
+        return self._layout.page_bytes_per_rank
+
+    @property
+    def row_stride(self) -> int:
+        return self._row_stride
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of the data area (``total_size_bytes``), header excluded."""
+        return self._layout.data_bytes
+
+    @property
+    def prefault_method(self) -> PrefaultMethod:
+        """How the pages were faulted in: ``madvise``, ``touch`` (fallback) or ``none``."""
+        return self._prefault_method
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("creator" if self._creator else "attached")
+        return (
+            f"<SharedOffloadRegion {self._path} rank={self._rank} {state} "
+            f"generation={self._generation} {_describe(self._layout)}>"
+        )
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+
+
+def _describe(layout: _Layout) -> str:
+    return (
+        f"num_blocks={layout.num_blocks} num_workers={layout.num_workers} "
+        f"page_bytes_per_rank={layout.page_bytes_per_rank} data_bytes={layout.data_bytes} "
+        f"header_bytes={layout.header_bytes}"
+    )
+
+
+def _close_orphan(future: asyncio.Future[SharedOffloadRegion]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().close()
