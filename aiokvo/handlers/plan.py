@@ -1,0 +1,455 @@
+"""Copy plans: which bytes move where for one transfer, checked before anything moves.
+
+A transfer is a pair of specs, one GPU-side (:class:`GPULoadStoreSpec`, block
+ids split by KV-cache group) and one offload-side (e.g. :class:`CPULoadStoreSpec`).
+An offloaded block may hold ``block_size_factor`` GPU blocks, so the offload
+side is addressed in *sub-rows*: sub-row ``b * factor + j`` is the ``j``-th
+GPU-block-sized slice of offloaded block ``b``. Within each group the offload
+side's sub-rows start at ``block_indices[g] % factor`` (a request whose first
+block is not aligned to an offloaded block skips that many sub-rows).
+
+:func:`plan_transfer` validates everything a caller could get wrong (route,
+group count, group sizes against the offload spec's length, every block id
+against the row count of every tensor it touches) and raises
+:class:`~aiokvo.errors.TransferSpecError` naming the bad value *before* any
+copy could be enqueued. The resulting :class:`TransferPlan` renders two ways:
+
+* :meth:`TransferPlan.pointers` - flat ``src_ptrs``/``dst_ptrs``/``sizes``
+  int64 arrays for a batched memcpy (the CUDA backend), each pointer checked
+  to lie inside its tensor;
+* :meth:`TransferPlan.row_copies` - per tensor, source and destination
+  sub-row index arrays for vectorised gather/scatter (the host backend).
+
+All index math is numpy-vectorised: the only Python loops are per group and
+per tensor, never per block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from aiokvo.errors import TransferSpecError
+from aiokvo.layout import CanonicalKVCacheRef
+from aiokvo.specs import BlockIDsLoadStoreSpec, GPULoadStoreSpec, TransferSpec
+
+__all__ = [
+    "Int64Array",
+    "PointerPlan",
+    "RowCopy",
+    "RowSpace",
+    "TransferPlan",
+    "compute_sub_block_ptrs",
+    "plan_copy_ptrs",
+    "plan_transfer",
+]
+
+Int64Array: TypeAlias = npt.NDArray[np.int64]
+TensorLike: TypeAlias = "torch.Tensor | RowSpace"
+
+
+@dataclass(frozen=True, slots=True)
+class RowSpace:
+    """Geometry of a 2-D byte tensor, all the planner needs to know about it.
+
+    Row ``r`` is the ``row_bytes`` bytes at ``base_ptr + r * row_stride``.
+    Backends whose memory is not a torch tensor (an mmap region, a raw
+    allocation) describe it with one of these directly.
+    """
+
+    base_ptr: int
+    num_rows: int
+    row_stride: int
+    row_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.num_rows < 0 or self.row_bytes <= 0:
+            raise TransferSpecError(
+                f"a row space needs num_rows >= 0 and row_bytes > 0, got {self.num_rows} rows "
+                f"of {self.row_bytes} bytes"
+            )
+        if self.num_rows > 1 and self.row_stride < self.row_bytes:
+            raise TransferSpecError(
+                f"row stride {self.row_stride} is smaller than the row width {self.row_bytes}"
+            )
+
+    @property
+    def end_ptr(self) -> int:
+        """One past the last byte of the last row."""
+        if self.num_rows == 0:
+            return self.base_ptr
+        return self.base_ptr + (self.num_rows - 1) * self.row_stride + self.row_bytes
+
+    @classmethod
+    def of(cls, tensor: TensorLike) -> RowSpace:
+        """Describe a 2-D int8 tensor (rows byte-contiguous), checked against its storage."""
+        if isinstance(tensor, RowSpace):
+            return tensor
+        if tensor.ndim != 2 or tensor.dtype != torch.int8:
+            raise TransferSpecError(
+                f"expected a 2-D int8 tensor, got shape {tuple(tensor.shape)} dtype {tensor.dtype}"
+            )
+        num_rows, row_bytes = (int(n) for n in tensor.shape)
+        if row_bytes > 1 and tensor.stride(1) != 1:
+            raise TransferSpecError(f"rows must be byte-contiguous, got strides {tensor.stride()}")
+        stride = int(tensor.stride(0)) if num_rows > 1 else row_bytes
+        space = cls(int(tensor.data_ptr()), num_rows, stride, row_bytes)
+        storage = tensor.untyped_storage()
+        lo, hi = int(storage.data_ptr()), int(storage.data_ptr()) + int(storage.nbytes())
+        if space.num_rows and not (lo <= space.base_ptr and space.end_ptr <= hi):
+            raise TransferSpecError(
+                f"tensor rows [{space.base_ptr:#x}, {space.end_ptr:#x}) lie outside "
+                f"their storage [{lo:#x}, {hi:#x})"
+            )
+        return space
+
+
+def compute_sub_block_ptrs(
+    block_ids: npt.NDArray[np.integer[Any]],
+    block_size_factor: int,
+    output: Int64Array,
+    tensor: TensorLike,
+    skip_count: int = 0,
+) -> None:
+    """Fill ``output`` with the address of each sub-block, in order.
+
+    Block ``b`` of ``tensor`` is split into ``block_size_factor`` equal
+    sub-blocks; sub-block ``j`` starts at ``base + b * row_stride + j * sub``
+    where ``sub = row_bytes // block_size_factor``. Sub-blocks of
+    ``block_ids`` are enumerated in order, the first ``skip_count`` are
+    skipped, and the next ``len(output)`` addresses are written to ``output``.
+    """
+    space = RowSpace.of(tensor)
+    ids = _as_ids(block_ids, "block_ids")
+    if output.dtype != np.int64 or output.ndim != 1:
+        raise TransferSpecError(
+            f"output must be a 1-D int64 array, got {output.ndim}-D {output.dtype}"
+        )
+    _check_factor(block_size_factor)
+    if not 0 <= skip_count < block_size_factor:
+        raise TransferSpecError(
+            f"skip_count must be in 0..{block_size_factor - 1}, got {skip_count}"
+        )
+    wanted = int(output.shape[0])
+    available = int(ids.shape[0]) * block_size_factor - skip_count
+    if wanted > available:
+        raise TransferSpecError(
+            f"{wanted} sub-blocks requested but {ids.shape[0]} blocks with factor "
+            f"{block_size_factor} and skip_count {skip_count} hold only {max(available, 0)}"
+        )
+    if space.row_bytes % block_size_factor:
+        raise TransferSpecError(
+            f"row width {space.row_bytes} is not divisible by block_size_factor {block_size_factor}"
+        )
+    used = ids[: -(-(wanted + skip_count) // block_size_factor)] if wanted else ids[:0]
+    _check_ids_in_range(used, space.num_rows, "block id", "tensor")
+    sub = _sub_rows(used, block_size_factor, skip_count, wanted)
+    output[:] = _sub_row_ptrs(sub, block_size_factor, space)
+
+
+@dataclass(frozen=True, slots=True)
+class PointerPlan:
+    """A flat batch of copies: ``sizes[i]`` bytes from ``src_ptrs[i]`` to ``dst_ptrs[i]``."""
+
+    src_ptrs: Int64Array
+    dst_ptrs: Int64Array
+    sizes: Int64Array
+    total_bytes: int
+
+    def __len__(self) -> int:
+        return int(self.sizes.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class RowCopy:
+    """Copy the first ``nbytes`` of sub-rows ``src_rows`` of source tensor
+    ``tensor_idx`` into sub-rows ``dst_rows`` of destination tensor ``tensor_idx``.
+
+    Sub-rows index the tensor viewed as ``(num_rows * factor, row_bytes // factor)``,
+    where ``factor`` is :attr:`TransferPlan.src_factor` / :attr:`TransferPlan.dst_factor`.
+    """
+
+    tensor_idx: int
+    nbytes: int
+    src_rows: Int64Array
+    dst_rows: Int64Array
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.src_rows.shape[0]) * self.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class _GroupRows:
+    src_rows: Int64Array
+    dst_rows: Int64Array
+    refs: tuple[CanonicalKVCacheRef, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferPlan:
+    """A validated transfer; render it with :meth:`pointers` or :meth:`row_copies`."""
+
+    src_factor: int
+    dst_factor: int
+    src_spaces: tuple[RowSpace, ...]
+    dst_spaces: tuple[RowSpace, ...]
+    total_bytes: int
+    _groups: tuple[_GroupRows, ...] = field(repr=False)
+
+    @property
+    def num_copies(self) -> int:
+        """Number of page copies (pages times the layers that hold them)."""
+        return sum(int(g.src_rows.shape[0]) * len(g.refs) for g in self._groups)
+
+    def row_copies(self) -> list[RowCopy]:
+        """One :class:`RowCopy` per (tensor, page size), merging all groups."""
+        merged: dict[tuple[int, int], tuple[list[Int64Array], list[Int64Array]]] = {}
+        for group in self._groups:
+            for ref in group.refs:
+                srcs, dsts = merged.setdefault((ref.tensor_idx, ref.page_size_bytes), ([], []))
+                srcs.append(group.src_rows)
+                dsts.append(group.dst_rows)
+        return [
+            RowCopy(idx, nbytes, _concat(srcs), _concat(dsts))
+            for (idx, nbytes), (srcs, dsts) in merged.items()
+        ]
+
+    def pointers(self) -> PointerPlan:
+        """Flat pointer arrays for a batched memcpy, each copy checked against its tensor."""
+        src_parts: list[Int64Array] = []
+        dst_parts: list[Int64Array] = []
+        size_parts: list[Int64Array] = []
+        for copy in self.row_copies():
+            src_space = self.src_spaces[copy.tensor_idx]
+            dst_space = self.dst_spaces[copy.tensor_idx]
+            src = _sub_row_ptrs(copy.src_rows, self.src_factor, src_space)
+            dst = _sub_row_ptrs(copy.dst_rows, self.dst_factor, dst_space)
+            _check_ptrs_inside(src, copy.nbytes, src_space, "source", copy.tensor_idx)
+            _check_ptrs_inside(dst, copy.nbytes, dst_space, "destination", copy.tensor_idx)
+            src_parts.append(src)
+            dst_parts.append(dst)
+            size_parts.append(np.full(src.shape[0], copy.nbytes, dtype=np.int64))
+        return PointerPlan(
+            _concat(src_parts), _concat(dst_parts), _concat(size_parts), self.total_bytes
+        )
+
+
+def plan_transfer(
+    transfer_spec: TransferSpec,
+    group_data_refs: Sequence[Sequence[CanonicalKVCacheRef]],
+    src_tensors: Sequence[TensorLike],
+    dst_tensors: Sequence[TensorLike],
+    block_size_factor: int,
+) -> TransferPlan:
+    """Validate a transfer and compute its sub-row indices.
+
+    ``src_tensors[i]`` and ``dst_tensors[i]`` are the two sides of canonical
+    tensor ``i`` (``CanonicalKVCacheRef.tensor_idx``): the GPU side has one
+    row per GPU block, the offload side one row per offloaded block, i.e.
+    ``block_size_factor`` GPU pages. Which side is which follows from which
+    spec is the :class:`GPULoadStoreSpec`.
+    """
+    _check_factor(block_size_factor)
+    src_spec, dst_spec = _unpack(transfer_spec)
+    gpu_is_src = isinstance(src_spec, GPULoadStoreSpec)
+    gpu_spec, offload_spec = (src_spec, dst_spec) if gpu_is_src else (dst_spec, src_spec)
+    assert isinstance(gpu_spec, GPULoadStoreSpec)
+    if len(src_tensors) != len(dst_tensors):
+        raise TransferSpecError(
+            f"{len(src_tensors)} source tensors but {len(dst_tensors)} destination tensors"
+        )
+    src_spaces = tuple(RowSpace.of(t) for t in src_tensors)
+    dst_spaces = tuple(RowSpace.of(t) for t in dst_tensors)
+    gpu_spaces, offload_spaces = (
+        (src_spaces, dst_spaces) if gpu_is_src else (dst_spaces, src_spaces)
+    )
+    num_groups = len(gpu_spec.group_sizes)
+    if num_groups != len(group_data_refs):
+        raise TransferSpecError(
+            f"the GPU spec has {num_groups} groups (group_sizes={gpu_spec.group_sizes!r}) "
+            f"but the KV caches have {len(group_data_refs)}"
+        )
+    factor = block_size_factor
+    skips = [idx % factor for idx in gpu_spec.block_indices]
+    offload_counts = [
+        -(-(size + skip) // factor) if size else 0
+        for size, skip in zip(gpu_spec.group_sizes, skips, strict=True)
+    ]
+    if sum(offload_counts) != len(offload_spec):
+        raise TransferSpecError(
+            f"the {offload_spec.medium()} spec has {len(offload_spec)} blocks, but group sizes "
+            f"{gpu_spec.group_sizes!r} with block_indices {gpu_spec.block_indices!r} and "
+            f"block_size_factor {factor} need {sum(offload_counts)}"
+        )
+    for g, refs in enumerate(group_data_refs):
+        for ref in refs:
+            _check_ref(ref, g, gpu_spaces, offload_spaces, factor)
+
+    groups: list[_GroupRows] = []
+    total = 0
+    gpu_start = offload_start = 0
+    for g, (size, skip, count) in enumerate(
+        zip(gpu_spec.group_sizes, skips, offload_counts, strict=True)
+    ):
+        gpu_ids = gpu_spec.block_ids[gpu_start : gpu_start + size]
+        offload_ids = offload_spec.block_ids[offload_start : offload_start + count]
+        gpu_start += size
+        offload_start += count
+        refs = tuple(group_data_refs[g])
+        if size == 0 or not refs:
+            continue
+        for ref in refs:
+            where = f"group {g}, tensor {ref.tensor_idx}"
+            _check_ids_in_range(gpu_ids, gpu_spaces[ref.tensor_idx].num_rows, "GPU block id", where)
+            _check_ids_in_range(
+                offload_ids,
+                offload_spaces[ref.tensor_idx].num_rows,
+                f"{offload_spec.medium()} block id",
+                where,
+            )
+        offload_rows = _sub_rows(offload_ids, factor, skip, size)
+        src_rows, dst_rows = (gpu_ids, offload_rows) if gpu_is_src else (offload_rows, gpu_ids)
+        groups.append(_GroupRows(src_rows, dst_rows, refs))
+        total += size * sum(ref.page_size_bytes for ref in refs)
+    return TransferPlan(
+        src_factor=1 if gpu_is_src else factor,
+        dst_factor=factor if gpu_is_src else 1,
+        src_spaces=src_spaces,
+        dst_spaces=dst_spaces,
+        total_bytes=total,
+        _groups=tuple(groups),
+    )
+
+
+def plan_copy_ptrs(
+    transfer_spec: TransferSpec,
+    group_data_refs: Sequence[Sequence[CanonicalKVCacheRef]],
+    src_tensors: Sequence[TensorLike],
+    dst_tensors: Sequence[TensorLike],
+    block_size_factor: int,
+) -> PointerPlan:
+    """``plan_transfer(...).pointers()``: the flat batch a DMA engine wants."""
+    return plan_transfer(
+        transfer_spec, group_data_refs, src_tensors, dst_tensors, block_size_factor
+    ).pointers()
+
+
+# -- helpers ------------------------------------------------------------------------
+
+
+def _unpack(
+    transfer_spec: TransferSpec,
+) -> tuple[BlockIDsLoadStoreSpec, BlockIDsLoadStoreSpec]:
+    try:
+        src_spec, dst_spec = transfer_spec
+    except (TypeError, ValueError):
+        raise TransferSpecError(
+            f"a transfer spec is a (src_spec, dst_spec) pair, got {transfer_spec!r}"
+        ) from None
+    if not isinstance(src_spec, BlockIDsLoadStoreSpec):
+        raise TransferSpecError(f"source spec must list block ids, got {src_spec!r}")
+    if not isinstance(dst_spec, BlockIDsLoadStoreSpec):
+        raise TransferSpecError(f"destination spec must list block ids, got {dst_spec!r}")
+    if isinstance(src_spec, GPULoadStoreSpec) == isinstance(dst_spec, GPULoadStoreSpec):
+        raise TransferSpecError(
+            f"exactly one side must be a GPULoadStoreSpec, got {src_spec.medium()} -> "
+            f"{dst_spec.medium()}"
+        )
+    return src_spec, dst_spec
+
+
+def _check_factor(block_size_factor: int) -> None:
+    if isinstance(block_size_factor, bool) or not isinstance(block_size_factor, int | np.integer):
+        raise TransferSpecError(f"block_size_factor must be an int, got {block_size_factor!r}")
+    if block_size_factor < 1:
+        raise TransferSpecError(f"block_size_factor must be >= 1, got {block_size_factor}")
+
+
+def _check_ref(
+    ref: CanonicalKVCacheRef,
+    group: int,
+    gpu_spaces: tuple[RowSpace, ...],
+    offload_spaces: tuple[RowSpace, ...],
+    factor: int,
+) -> None:
+    idx = ref.tensor_idx
+    if not 0 <= idx < len(gpu_spaces):
+        raise TransferSpecError(
+            f"group {group} refers to tensor {idx}, but there are {len(gpu_spaces)} tensors"
+        )
+    gpu, offload = gpu_spaces[idx], offload_spaces[idx]
+    if offload.row_bytes % factor:
+        raise TransferSpecError(
+            f"offload tensor {idx} rows are {offload.row_bytes} bytes, "
+            f"not divisible by block_size_factor {factor}"
+        )
+    room = min(gpu.row_bytes, offload.row_bytes // factor)
+    if ref.page_size_bytes > room:
+        raise TransferSpecError(
+            f"group {group} copies {ref.page_size_bytes} bytes per page of tensor {idx}, "
+            f"but a page there holds only {room} bytes"
+        )
+
+
+def _as_ids(block_ids: npt.NDArray[np.integer[Any]], name: str) -> Int64Array:
+    ids = np.asarray(block_ids)
+    if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+        raise TransferSpecError(f"{name} must be a 1-D integer array, got {ids.dtype} {ids.shape}")
+    return ids.astype(np.int64, copy=False)
+
+
+def _check_ids_in_range(ids: Int64Array, num_rows: int, what: str, where: str) -> None:
+    if ids.size == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0:
+        raise TransferSpecError(f"{what} {lo} ({where}) is negative")
+    if hi >= num_rows:
+        raise TransferSpecError(
+            f"{what} {hi} ({where}) is out of range: the tensor has {num_rows} rows"
+        )
+
+
+def _sub_rows(ids: Int64Array, factor: int, skip: int, count: int) -> Int64Array:
+    """Sub-row indices of ``count`` sub-blocks of ``ids``, after skipping ``skip``."""
+    if factor == 1:
+        return np.ascontiguousarray(ids[:count], dtype=np.int64)
+    expanded = ids[:, np.newaxis] * factor + np.arange(factor, dtype=np.int64)
+    return np.ascontiguousarray(expanded.ravel()[skip : skip + count])
+
+
+def _sub_row_ptrs(rows: Int64Array, factor: int, space: RowSpace) -> Int64Array:
+    sub_bytes = space.row_bytes // factor
+    if factor == 1:
+        ptrs: Int64Array = space.base_ptr + rows * space.row_stride
+        return ptrs
+    block, part = np.divmod(rows, factor)
+    ptrs = space.base_ptr + block * space.row_stride + part * sub_bytes
+    return ptrs
+
+
+def _check_ptrs_inside(
+    ptrs: Int64Array, nbytes: int, space: RowSpace, side: str, tensor_idx: int
+) -> None:
+    if ptrs.size == 0:
+        return
+    lo, hi = int(ptrs.min()), int(ptrs.max()) + nbytes
+    if lo < space.base_ptr or hi > space.end_ptr:
+        raise TransferSpecError(
+            f"{side} copy [{lo:#x}, {hi:#x}) of tensor {tensor_idx} leaves the tensor "
+            f"[{space.base_ptr:#x}, {space.end_ptr:#x})"
+        )
+
+
+def _concat(parts: list[Int64Array]) -> Int64Array:
+    if not parts:
+        return np.empty(0, dtype=np.int64)
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts)
