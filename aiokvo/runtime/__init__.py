@@ -1,0 +1,25 @@
+"""The async runtime: completion sources, the per-loop event poller, and ``run``."""
+
+from aiokvo.runtime.poller import (
+    DEFAULT_POLLER_MODE,
+    POLLER_MODE_ENV,
+    CompletionCallback,
+    EventPoller,
+    PollerMode,
+    resolve_poller_mode,
+)
+from aiokvo.runtime.run import loop_factory, run
+from aiokvo.runtime.sources import CompletionSource, HostEvent
+
+__all__ = [
+    "DEFAULT_POLLER_MODE",
+    "POLLER_MODE_ENV",
+    "CompletionCallback",
+    "CompletionSource",
+    "EventPoller",
+    "HostEvent",
+    "PollerMode",
+    "loop_factory",
+    "resolve_poller_mode",
+    "run",
+]

@@ -1,0 +1,224 @@
+"""EventPoller: per-lane order, every mode, failures, idling, closing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import get_args
+
+import pytest
+
+from aiokvo.errors import ConfigError, PollerClosedError
+from aiokvo.runtime.poller import (
+    DEFAULT_POLLER_MODE,
+    POLLER_MODE_ENV,
+    EventPoller,
+    PollerMode,
+    resolve_poller_mode,
+)
+from aiokvo.runtime.sources import HostEvent
+
+MODES = get_args(PollerMode)
+
+
+class CountingSource(HostEvent):
+    """A HostEvent that counts how often it was polled."""
+
+    __slots__ = ("queries",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return super().query()
+
+
+@pytest.fixture
+async def poller() -> EventPoller:
+    return EventPoller.current()
+
+
+@pytest.mark.both_loops
+@pytest.mark.parametrize("mode", MODES)
+async def test_watch_resolves_each_lane_in_order(mode: PollerMode, poller: EventPoller) -> None:
+    order: list[tuple[str, int]] = []
+    sources = {lane: [HostEvent() for _ in range(20)] for lane in ("a", "b")}
+    futures = []
+    for lane, lane_sources in sources.items():
+        for i, source in enumerate(lane_sources):
+            future = poller.watch(lane, source, mode=mode)
+            future.add_done_callback(lambda _, lane=lane, i=i: order.append((lane, i)))
+            futures.append(future)
+    # Finish lane b backwards and lane a forwards, from another thread.
+    thread = threading.Thread(
+        target=lambda: [s.set() for s in [*reversed(sources["b"]), *sources["a"]]]
+    )
+    thread.start()
+    await asyncio.wait_for(asyncio.gather(*futures), 5)
+    thread.join()
+    for lane in ("a", "b"):
+        assert [i for name, i in order if name == lane] == list(range(20))
+
+
+@pytest.mark.both_loops
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_failed_source_fails_its_future_and_later_ones_still_resolve(
+    mode: PollerMode, poller: EventPoller
+) -> None:
+    bad, good = HostEvent(), HostEvent()
+    bad_future = poller.watch("lane", bad, mode=mode)
+    good_future = poller.watch("lane", good, mode=mode)
+    error = OSError("copy failed")
+    asyncio.get_running_loop().call_later(0.002, bad.set_exception, error)
+    asyncio.get_running_loop().call_later(0.002, good.set)
+    with pytest.raises(OSError) as caught:
+        await asyncio.wait_for(bad_future, 5)
+    assert caught.value is error
+    await asyncio.wait_for(good_future, 5)
+
+
+@pytest.mark.parametrize("mode", ["spin", "adaptive"])
+async def test_only_the_oldest_source_of_a_lane_is_polled(
+    mode: PollerMode, poller: EventPoller
+) -> None:
+    first, second, other_lane = CountingSource(), CountingSource(), CountingSource()
+    futures = [
+        poller.watch("lane", first, mode=mode),
+        poller.watch("lane", second, mode=mode),
+        poller.watch("other", other_lane, mode=mode),
+    ]
+    await asyncio.sleep(0.01)
+    assert first.queries > 0
+    assert other_lane.queries > 0  # lanes are independent
+    assert second.queries == 0
+    second.set()
+    other_lane.set()
+    await asyncio.sleep(0.01)
+    assert not futures[1].done()  # finished, but behind a pending head
+    first.set()
+    await asyncio.wait_for(asyncio.gather(*futures), 5)
+
+
+async def test_one_poller_per_loop(poller: EventPoller) -> None:
+    loop = asyncio.get_running_loop()
+    assert EventPoller.current() is poller
+    assert EventPoller.for_loop(loop) is poller
+    assert EventPoller.existing(loop) is poller
+    with pytest.raises(ConfigError, match="already has an EventPoller"):
+        EventPoller(loop)
+    other = asyncio.new_event_loop()
+    try:
+        assert EventPoller.for_loop(other) is not poller
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_idle_poller_uses_no_cpu_and_schedules_nothing(mode: PollerMode) -> None:
+    poller = EventPoller(mode=mode, idle_thread_timeout=0.05)
+    source = HostEvent()
+    future = poller.watch("lane", source)
+    asyncio.get_running_loop().call_later(0.002, source.set)
+    await asyncio.wait_for(future, 5)
+    await asyncio.sleep(0.1)  # let an idle waiter thread exit
+    assert poller.pending == 0
+    assert poller._tick_handle is None
+    assert poller.active_threads == 0
+
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    await asyncio.sleep(0.3)
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    assert cpu < 0.3 * wall, f"idle poller burned {cpu:.3f}s CPU in {wall:.3f}s"
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "thread"])
+async def test_a_long_wait_does_not_spin(mode: PollerMode) -> None:
+    poller = EventPoller(mode=mode, spin_budget=0.001)
+    source = HostEvent()
+    future = poller.watch("lane", source)
+    await asyncio.sleep(0.01)  # past the spin budget
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    await asyncio.sleep(0.3)
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    assert not future.done()
+    assert cpu < 0.5 * wall, f"waiting burned {cpu:.3f}s CPU in {wall:.3f}s"
+    source.set()
+    await asyncio.wait_for(future, 5)
+
+
+async def test_thread_mode_restarts_a_waiter_that_exited_while_idle() -> None:
+    poller = EventPoller(mode="thread", idle_thread_timeout=0.02)
+    for _ in range(3):
+        source = HostEvent()
+        future = poller.watch("lane", source)
+        threading.Timer(0.001, source.set).start()
+        await asyncio.wait_for(future, 5)
+        await asyncio.sleep(0.06)
+        assert poller.active_threads == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_close_fails_pending_callbacks_and_refuses_new_work(mode: PollerMode) -> None:
+    poller = EventPoller(mode=mode)
+    source = HostEvent()
+    future = poller.watch("lane", source)
+    await asyncio.sleep(0.005)
+    poller.close()
+    poller.close()  # idempotent
+    with pytest.raises(PollerClosedError):
+        await future
+    with pytest.raises(PollerClosedError):
+        poller.watch("lane", HostEvent())
+    source.set()
+    fresh = EventPoller.current()
+    assert fresh is not poller and not fresh.closed
+    fresh.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_raising_callback_is_reported_and_polling_goes_on(mode: PollerMode) -> None:
+    poller = EventPoller(mode=mode)
+    contexts: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: contexts.append(ctx))
+
+    def explode(error: BaseException | None) -> None:
+        raise ValueError("callback bug")
+
+    first, second = HostEvent(), HostEvent()
+    poller.add_callback("lane", first, explode)
+    future = poller.watch("lane", second)
+    first.set()
+    second.set()
+    await asyncio.wait_for(future, 5)
+    assert any(isinstance(ctx.get("exception"), ValueError) for ctx in contexts)
+
+
+def test_mode_comes_from_argument_then_environment_then_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(POLLER_MODE_ENV, raising=False)
+    assert resolve_poller_mode() == DEFAULT_POLLER_MODE
+    monkeypatch.setenv(POLLER_MODE_ENV, "spin")
+    assert resolve_poller_mode() == "spin"
+    assert resolve_poller_mode("adaptive") == "adaptive"
+    monkeypatch.setenv(POLLER_MODE_ENV, "turbo")
+    with pytest.raises(ConfigError, match=f"{POLLER_MODE_ENV}.*'turbo'"):
+        resolve_poller_mode()
+    with pytest.raises(ConfigError, match="'nope'"):
+        resolve_poller_mode("nope")
+
+
+async def test_env_var_sets_the_mode_of_new_pollers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(POLLER_MODE_ENV, "adaptive")
+    assert EventPoller.current().mode == "adaptive"
+
+
+async def test_bad_settings_name_the_value() -> None:
+    loop = asyncio.get_running_loop()
+    with pytest.raises(ConfigError, match="-1"):
+        EventPoller(loop, spin_budget=-1)
+    with pytest.raises(ConfigError, match="0"):
+        EventPoller(loop, idle_thread_timeout=0)
