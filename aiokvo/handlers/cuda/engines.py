@@ -1,0 +1,231 @@
+"""Copy engines: how one transfer's page copies are enqueued on a stream.
+
+* :class:`DmaEngine` hands the pages to the copy engines, as one
+  ``cudaMemcpyBatchAsync`` where the driver has it (CUDA >= 12.8) or a loop
+  of ``cudaMemcpyAsync`` otherwise. Best for large pages.
+* :class:`KernelEngine` launches :mod:`~aiokvo.handlers.cuda.kernel`'s copy
+  kernel over a descriptor table. Best for small pages, where DMA pays a
+  fixed cost per copy.
+
+:func:`choose_engine` picks one per transfer from its mean page size and
+``kernel_below_bytes``. Adjacent pages that are contiguous on both sides
+are merged first (:func:`coalesce`), which helps both engines.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+import numpy as np
+
+from aiokvo.errors import ConfigError, CudaError
+from aiokvo.handlers.cuda.driver import CudaDriver
+from aiokvo.handlers.cuda.kernel import DESCRIPTOR_WORDS, get_copy_kernel
+from aiokvo.handlers.plan import Int64Array, PointerPlan
+
+__all__ = [
+    "DEFAULT_KERNEL_BELOW_BYTES",
+    "DescriptorBuffer",
+    "DmaEngine",
+    "EngineMode",
+    "EngineName",
+    "KernelEngine",
+    "choose_engine",
+    "coalesce",
+]
+
+EngineName: TypeAlias = Literal["dma", "kernel"]
+EngineMode: TypeAlias = Literal["auto", "dma", "kernel"]
+
+DEFAULT_KERNEL_BELOW_BYTES = 32 * 1024
+"""Pages smaller than this (on average) go to the kernel in ``"auto"`` mode.
+
+Unmeasured: taken from vLLM's H100 numbers (DMA at 5-7 GB/s for 4-24 KiB
+pages, ~50 GB/s at 64 KiB). ``benchmarks/bench_cuda.py`` measures both
+engines per page size; set it from that run (see ``docs/cuda.md``).
+"""
+
+_ENGINE_MODES = ("auto", "dma", "kernel")
+
+
+def check_engine_mode(mode: str) -> EngineMode:
+    """Validate a user-supplied engine mode."""
+    if mode == "auto":
+        return "auto"
+    if mode == "dma":
+        return "dma"
+    if mode == "kernel":
+        return "kernel"
+    raise ConfigError(f"engine must be one of {', '.join(_ENGINE_MODES)}; got {mode!r}")
+
+
+def choose_engine(
+    plan: PointerPlan, *, mode: EngineMode, kernel_below_bytes: int, kernel_ready: bool
+) -> EngineName:
+    """The engine for one transfer: forced by ``mode``, else by mean page size."""
+    if mode != "auto":
+        return mode
+    if not kernel_ready or len(plan) == 0:
+        return "dma"
+    mean_page = plan.total_bytes / len(plan)
+    return "kernel" if mean_page < kernel_below_bytes else "dma"
+
+
+def coalesce(plan: PointerPlan) -> PointerPlan:
+    """Merge runs of copies that are contiguous on both sides into single copies.
+
+    Copies are first ordered by source address, so a batch of consecutive
+    blocks becomes one large copy whatever order the caller listed them in.
+    """
+    n = len(plan)
+    if n < 2:
+        return plan
+    order = np.argsort(plan.src_ptrs, kind="stable")
+    src, dst, size = plan.src_ptrs[order], plan.dst_ptrs[order], plan.sizes[order]
+    joins = (src[:-1] + size[:-1] == src[1:]) & (dst[:-1] + size[:-1] == dst[1:])
+    if not joins.any():
+        return plan
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    sizes = np.add.reduceat(size, starts).astype(np.int64, copy=False)
+    return PointerPlan(src[starts], dst[starts], sizes, plan.total_bytes)
+
+
+class DmaEngine:
+    """Enqueue page copies on the DMA engines."""
+
+    name: EngineName = "dma"
+
+    def __init__(self, driver: CudaDriver) -> None:
+        self._driver = driver
+
+    def enqueue(self, stream: int, plan: PointerPlan, *, gpu_to_cpu: bool) -> None:
+        # GPU->CPU reads device memory written by earlier kernels on other
+        # streams, so the source must be read in stream order; CPU->GPU
+        # sources are pinned pages nobody writes meanwhile, so ANY is safe.
+        if len(plan) == 0:
+            return
+        self._driver.memcpy_batch_async(
+            plan.dst_ptrs.tolist(),
+            plan.src_ptrs.tolist(),
+            plan.sizes.tolist(),
+            stream,
+            src_in_stream_order=gpu_to_cpu,
+        )
+
+
+@dataclass(slots=True, eq=False)
+class DescriptorBuffer:
+    """Mapped pinned host memory holding a descriptor table; pooled by capacity."""
+
+    host_ptr: int
+    device_ptr: int
+    capacity: int  # descriptors
+
+    def view(self, count: int) -> Int64Array:
+        """The first ``count`` descriptors as a writable ``(count, 3)`` int64 array."""
+        words = (ctypes.c_int64 * (self.capacity * DESCRIPTOR_WORDS)).from_address(self.host_ptr)
+        table: Int64Array = np.ctypeslib.as_array(words)
+        return table[: count * DESCRIPTOR_WORDS].reshape(count, DESCRIPTOR_WORDS)
+
+
+class KernelEngine:
+    """Enqueue page copies as one launch of the SM copy kernel.
+
+    ``pointer_offset`` is added to host-side addresses to get the
+    addresses the device sees (0 under UVA); it applies to the CPU side of
+    the plan only. Descriptor tables come from a per-engine pool and must
+    be handed back with :meth:`release` once the launch has completed.
+    """
+
+    name: EngineName = "kernel"
+
+    def __init__(
+        self, driver: CudaDriver, *, block: int = 256, blocks_per_sm: int = 8
+    ) -> None:
+        self._driver = driver
+        self._kernel = get_copy_kernel(driver)
+        self._block = block
+        self._max_grid = max(1, driver.sm_count() * blocks_per_sm)
+        self._free: dict[int, list[DescriptorBuffer]] = {}
+        self._out: set[int] = set()
+        self._all: list[DescriptorBuffer] = []
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def _acquire(self, count: int) -> DescriptorBuffer:
+        capacity = 1 << max(6, (count - 1).bit_length())
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the kernel engine is closed")
+            free = self._free.get(capacity)
+            buffer = free.pop() if free else None
+        if buffer is None:
+            host = self._driver.host_alloc(capacity * DESCRIPTOR_WORDS * 8)
+            try:
+                device = self._driver.host_device_pointer(host)
+            except CudaError:
+                self._driver.host_free(host)
+                raise
+            buffer = DescriptorBuffer(host, device, capacity)
+            with self._lock:
+                self._all.append(buffer)
+        with self._lock:
+            self._out.add(id(buffer))
+        return buffer
+
+    def release(self, buffer: DescriptorBuffer) -> None:
+        """Return a descriptor table after the launch that read it completed."""
+        with self._lock:
+            self._out.discard(id(buffer))
+            if not self._closed:
+                self._free.setdefault(buffer.capacity, []).append(buffer)
+                return
+            self._all.remove(buffer)
+        self._driver.host_free(buffer.host_ptr)
+
+    def enqueue(
+        self, stream: int, plan: PointerPlan, *, gpu_to_cpu: bool, pointer_offset: int = 0
+    ) -> DescriptorBuffer | None:
+        count = len(plan)
+        if count == 0:
+            return None
+        buffer = self._acquire(count)
+        try:
+            table = buffer.view(count)
+            src, dst = plan.src_ptrs, plan.dst_ptrs
+            if pointer_offset:
+                if gpu_to_cpu:
+                    dst = dst + pointer_offset
+                else:
+                    src = src + pointer_offset
+            table[:, 0] = src
+            table[:, 1] = dst
+            table[:, 2] = plan.sizes
+            grid = min(count, self._max_grid)
+            self._driver.launch_kernel(
+                self._kernel, stream, grid, self._block, (buffer.device_ptr, count)
+            )
+        except BaseException:
+            self.release(buffer)
+            raise
+        return buffer
+
+    def close(self) -> None:
+        """Free idle tables now; outstanding ones are freed on release."""
+        with self._lock:
+            self._closed = True
+            idle = [b for b in self._all if id(b) not in self._out]
+            for buffer in idle:
+                self._all.remove(buffer)
+            self._free.clear()
+        first: CudaError | None = None
+        for buffer in idle:
+            try:
+                self._driver.host_free(buffer.host_ptr)
+            except CudaError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
