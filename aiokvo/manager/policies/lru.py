@@ -1,0 +1,82 @@
+"""Least-recently-used eviction (seed 5.2), one ``OrderedDict`` deep.
+
+The ``OrderedDict`` maps key to block id, least recently used first. Its C
+linked list gives O(1) move-to-end and O(1) access to the oldest entry even
+after millions of evictions; a plain ``dict`` would be smaller, but its
+iteration has to skip every deleted slot left at the front, so the eviction
+walk would slow down as the pool grows (see docs/manager.md).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from itertools import filterfalse, islice, takewhile
+
+from aiokvo.keys import OffloadKey
+from aiokvo.manager.policies.base import CachePolicy, Evicted
+
+__all__ = ["LRUCachePolicy", "evictable"]
+
+
+def evictable(
+    keys: Iterable[OffloadKey], exclude: Sequence[Container[OffloadKey]]
+) -> Iterator[OffloadKey]:
+    """Lazily yield the ``keys`` found in none of ``exclude``, in order.
+
+    Built from nested ``filterfalse`` so the walk runs in C and stops as
+    soon as the caller has taken what it needs.
+    """
+    it: Iterator[OffloadKey] = iter(keys)
+    for container in exclude:
+        it = filterfalse(container.__contains__, it)
+    return it
+
+
+class LRUCachePolicy(CachePolicy):
+    """Evicts the least recently used idle block."""
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self._blocks: OrderedDict[OffloadKey, int] = OrderedDict()
+
+    def get(self, key: OffloadKey) -> int | None:
+        return self._blocks.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def items(self) -> Iterator[tuple[OffloadKey, int]]:
+        return iter(list(self._blocks.items()))
+
+    def membership(self) -> Callable[[object], bool]:
+        return self._blocks.__contains__
+
+    def block_ids(self, keys: Sequence[OffloadKey]) -> list[int]:
+        return list(map(self._blocks.__getitem__, keys))
+
+    def prefix_len(self, keys: Iterable[OffloadKey]) -> int:
+        return len(list(takewhile(self._blocks.__contains__, keys)))
+
+    def insert(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
+        self._blocks.update(zip(keys, block_ids, strict=True))
+
+    def remove(self, keys: Iterable[OffloadKey]) -> None:
+        deque(map(self._blocks.__delitem__, keys), maxlen=0)
+
+    def touch(self, keys: Sequence[OffloadKey], writing: Container[OffloadKey]) -> None:
+        blocks = self._blocks
+        # Last key first, so the first key ends up most recent; lazily, so a
+        # key repeated in ``keys`` is handled exactly as a per-key loop would.
+        deque(map(blocks.move_to_end, filter(blocks.__contains__, reversed(keys))), maxlen=0)
+
+    def evict(self, n: int, exclude: Sequence[Container[OffloadKey]]) -> Evicted | None:
+        if n <= 0:
+            return [], []
+        victims = list(islice(evictable(self._blocks, exclude), n))
+        if len(victims) < n:
+            return None
+        return victims, list(map(self._blocks.pop, victims))

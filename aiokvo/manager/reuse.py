@@ -1,0 +1,121 @@
+"""Store only blocks that are looked up again (seed chapter 3).
+
+A block used by one request only is not worth a CPU copy: it costs pool
+space and DMA bandwidth and is unlikely to be read back. This wrapper
+counts how often each key is looked up and lets ``prepare_store`` through
+only for keys seen at least ``store_threshold`` times. The counter is
+bounded; when full, the key looked up least recently is forgotten.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING
+
+from aiokvo.errors import ConfigError
+from aiokvo.keys import OffloadKey
+from aiokvo.manager.base import OffloadingManager, OverflowPolicy
+from aiokvo.specs import LoadStoreSpec, OffloadingEvent, PrepareStoreOutput, ReqContext
+
+if TYPE_CHECKING:
+    from aiokvo.events import EventSubscription
+
+__all__ = ["FilterReusedOffloadingManager"]
+
+
+class FilterReusedOffloadingManager(OffloadingManager):
+    """Wraps ``backing`` and filters what it is asked to store by reuse count."""
+
+    def __init__(
+        self,
+        backing: OffloadingManager,
+        store_threshold: int = 2,
+        max_tracker_size: int = 64_000,
+    ) -> None:
+        if not isinstance(backing, OffloadingManager):
+            raise ConfigError(f"backing must be an OffloadingManager, got {backing!r}")
+        if isinstance(store_threshold, bool) or not isinstance(store_threshold, int):
+            raise ConfigError(f"store_threshold must be an int, got {store_threshold!r}")
+        if store_threshold < 2:
+            raise ConfigError(
+                f"store_threshold must be >= 2 (1 would filter nothing), got {store_threshold!r}"
+            )
+        if isinstance(max_tracker_size, bool) or not isinstance(max_tracker_size, int):
+            raise ConfigError(f"max_tracker_size must be an int, got {max_tracker_size!r}")
+        if max_tracker_size < 1:
+            raise ConfigError(f"max_tracker_size must be >= 1, got {max_tracker_size!r}")
+        self.backing = backing
+        self.store_threshold = store_threshold
+        self.max_tracker_size = max_tracker_size
+        self.counts: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._sink = backing._sink
+
+    def _count(self, keys: Iterable[OffloadKey]) -> None:
+        counts = self.counts
+        limit = self.max_tracker_size
+        for key in keys:
+            seen = counts.get(key)
+            if seen is not None:
+                counts.move_to_end(key)
+                counts[key] = seen + 1
+            else:
+                if len(counts) >= limit:
+                    counts.popitem(last=False)
+                counts[key] = 1
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        self._count((key,))
+        return self.backing.lookup(key, req_context)
+
+    def lookup_prefix(
+        self, keys: Iterable[OffloadKey], req_context: ReqContext
+    ) -> int | None:
+        """As the lookup loop: counts every key it would look up, stopper included."""
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
+        hits = self.backing.lookup_prefix(keys, req_context)
+        if hits is None:
+            # The loop stopped at the first key that is not ready (and is
+            # in flight): find it without counting anything twice.
+            hits = 0
+            for key in keys:
+                if self.backing.lookup(key, req_context) is not True:
+                    break
+                hits += 1
+            self._count(keys[: hits + 1])
+            return None
+        self._count(keys[: hits + 1])
+        return hits
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        threshold = self.store_threshold
+        get = self.counts.get
+        eligible = [key for key in keys if get(key, 0) >= threshold]
+        return self.backing.prepare_store(eligible, req_context)
+
+    def prepare_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> LoadStoreSpec:
+        return self.backing.prepare_load(keys, req_context)
+
+    def touch(self, keys: Collection[OffloadKey]) -> None:
+        self.backing.touch(keys)
+
+    def complete_load(self, keys: Collection[OffloadKey]) -> None:
+        self.backing.complete_load(keys)
+
+    def complete_store(self, keys: Collection[OffloadKey], success: bool = True) -> None:
+        self.backing.complete_store(keys, success)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        return self.backing.take_events()
+
+    def subscribe(
+        self, *, maxsize: int = 1024, overflow: OverflowPolicy = "drop_oldest"
+    ) -> EventSubscription:
+        return self.backing.subscribe(maxsize=maxsize, overflow=overflow)
+
+    def shutdown(self) -> None:
+        self.backing.shutdown()
