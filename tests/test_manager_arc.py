@@ -26,7 +26,7 @@ def k(name: str) -> OffloadKey:
     return make_offload_key(name.encode(), 0)
 
 
-a, b, c, d, e, f, g, h, i, j, l = (k(n) for n in "abcdefghijl")
+a, b, c, d, e, f, g, h, i, j, q = (k(n) for n in "abcdefghijq")
 
 
 def ids(spec: LoadStoreSpec) -> list[int]:
@@ -174,7 +174,7 @@ def test_fractional_target_is_truncated_when_choosing_a_list() -> None:
     assert put(m, h, i) == ([1, 0], [e, f])  # T1 g h i | B1 e f
     m.touch([e])  # target 0 + 3/2 = 1.5
     # T1 sizes 3, 2, 1 are all >= int(1.5) = 1, so all three victims come from T1.
-    assert put(m, j, l, a) == ([0, 1, 2], [g, h, i])
+    assert put(m, j, q, a) == ([0, 1, 2], [g, h, i])
 
 
 def test_target_never_exceeds_the_capacity() -> None:
