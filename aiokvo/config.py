@@ -168,9 +168,7 @@ class OffloadConfig:
             ),
             eviction_policy=_parse_str("eviction_policy", extra.get("eviction_policy", "lru")),
             store_threshold=_parse_int("store_threshold", extra.get("store_threshold", 0)),
-            max_tracker_size=_parse_int(
-                "max_tracker_size", extra.get("max_tracker_size", 64_000)
-            ),
+            max_tracker_size=_parse_int("max_tracker_size", extra.get("max_tracker_size", 64_000)),
             enable_events=enable_events,
             world_size=world_size,
             spec_name=_parse_str("spec_name", extra.get("spec_name", "CPUOffloadingSpec")),

@@ -86,9 +86,7 @@ class EventSubscription:
         if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
             raise ConfigError(f"maxsize must be an int >= 1, got {maxsize!r}")
         if overflow not in _OVERFLOW_POLICIES:
-            raise ConfigError(
-                f"overflow must be 'drop_oldest' or 'drop_newest', got {overflow!r}"
-            )
+            raise ConfigError(f"overflow must be 'drop_oldest' or 'drop_newest', got {overflow!r}")
         self._sink = sink
         self._maxsize = maxsize
         self._overflow: OverflowPolicy = overflow

@@ -355,6 +355,90 @@ async def test_subscription_works_with_and_without_recording(enable_events: bool
 def test_repr_shows_state() -> None:
     sub = EventSubscription(EventSink(record=False), maxsize=2)
     fill(sub, range(3))
-    assert repr(sub) == (
-        "<EventSubscription open queued=2/2 overflow='drop_oldest' dropped=1>"
-    )
+    assert repr(sub) == ("<EventSubscription open queued=2/2 overflow='drop_oldest' dropped=1>")
+
+
+# -- with the real manager -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("enable_events", [False, True])
+async def test_real_manager_stream_replays_to_the_ready_set(
+    policy: str, enable_events: bool
+) -> None:
+    from aiokvo.manager.cpu import CPUOffloadingManager
+
+    manager = CPUOffloadingManager(num_blocks=3, cache_policy=policy, enable_events=enable_events)
+    sub = manager.subscribe(maxsize=100)
+    ctx = ReqContext()
+    for batch in ([0, 1], [2, 3], [4], [5, 6]):
+        keys = [key(i) for i in batch]
+        out = manager.prepare_store(keys, ctx)
+        assert out is not None
+        manager.complete_store(out.keys_to_store)
+    failed = manager.prepare_store([key(7)], ctx)
+    assert failed is not None
+    manager.complete_store(failed.keys_to_store, success=False)  # no "stored" event
+    manager.shutdown()
+
+    ready: set[OffloadKey] = set()
+    items = [item async for item in sub]
+    for item in items:
+        assert isinstance(item, OffloadingEvent)
+        if item.removed:
+            assert set(item.keys) <= ready, "only stored keys are ever removed"
+            ready.difference_update(item.keys)
+        else:
+            ready.update(item.keys)
+    assert ready == {k for k in map(key, range(8)) if manager.lookup(k, ctx)}
+    assert len(ready) <= 3
+    assert key(7) not in ready
+    # No block was ever touched, so both policies evict in insertion order.
+    expected = [
+        ([0, 1], False),
+        ([0], True),
+        ([2, 3], False),
+        ([1], True),
+        ([4], False),
+        ([2, 3], True),
+        ([5, 6], False),
+        ([4], True),
+    ]
+    assert items == [OffloadingEvent([key(i) for i in ids], "CPU", r) for ids, r in expected]
+    recorded = list(manager.take_events())
+    assert recorded == (items if enable_events else [])
+
+
+async def test_real_manager_eviction_event_comes_before_the_store() -> None:
+    from aiokvo.manager.cpu import CPUOffloadingManager
+
+    manager = CPUOffloadingManager(num_blocks=1)
+    async with manager.subscribe() as sub:
+        ctx = ReqContext()
+        for i in range(2):
+            out = manager.prepare_store([key(i)], ctx)
+            assert out is not None
+            manager.complete_store(out.keys_to_store)
+        assert sub.drain_nowait() == [
+            OffloadingEvent([key(0)], "CPU", removed=False),
+            OffloadingEvent([key(0)], "CPU", removed=True),
+            OffloadingEvent([key(1)], "CPU", removed=False),
+        ]
+
+
+async def test_reuse_filter_subscription_sees_the_backing_events() -> None:
+    from aiokvo.manager.cpu import CPUOffloadingManager
+    from aiokvo.manager.reuse import FilterReusedOffloadingManager
+
+    manager = FilterReusedOffloadingManager(CPUOffloadingManager(num_blocks=4), store_threshold=2)
+    sub = manager.subscribe(maxsize=1, overflow="drop_newest")
+    ctx = ReqContext()
+    for i in range(3):
+        for _ in range(2):
+            manager.lookup(key(i), ctx)
+        out = manager.prepare_store([key(i)], ctx)
+        assert out is not None and out.keys_to_store == [key(i)]
+        manager.complete_store(out.keys_to_store)
+    manager.shutdown()
+    assert [item async for item in sub] == [stored(0), Lagged(2)]
+    assert sub.dropped == 2

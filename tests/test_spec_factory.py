@@ -351,3 +351,57 @@ def test_bad_class_fails_naming_it(
     config = make_config(spec_name=class_name, spec_module_path=spec_module)
     with pytest.raises(SpecLoadError, match=message):
         factory.create_spec(config)
+
+
+# -- with the real managers --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("policy", "policy_cls"), [("lru", "LRUCachePolicy"), ("arc", "ARCCachePolicy")]
+)
+def test_real_cpu_manager_is_sized_by_the_config(policy: str, policy_cls: str) -> None:
+    from aiokvo.manager.cpu import CPUOffloadingManager
+
+    spec = CPUOffloadingSpec(make_config(eviction_policy=policy, world_size=2))
+    manager = spec.get_manager()
+    assert isinstance(manager, CPUOffloadingManager)
+    assert manager.num_blocks == 32
+    assert type(manager.policy).__name__ == policy_cls
+
+
+def test_real_reuse_filter_wraps_the_cpu_manager() -> None:
+    from aiokvo.keys import make_offload_key
+    from aiokvo.manager.cpu import CPUOffloadingManager
+    from aiokvo.manager.reuse import FilterReusedOffloadingManager
+    from aiokvo.specs import ReqContext
+
+    spec = CPUOffloadingSpec(make_config(store_threshold=2, max_tracker_size=10))
+    manager = spec.get_manager()
+    assert isinstance(manager, FilterReusedOffloadingManager)
+    assert isinstance(manager.backing, CPUOffloadingManager)
+    assert (manager.store_threshold, manager.max_tracker_size) == (2, 10)
+
+    key = make_offload_key(b"reused-block", 0)
+    ctx = ReqContext()
+    assert manager.lookup(key, ctx) is False
+    first = manager.prepare_store([key], ctx)
+    assert first is not None and first.keys_to_store == []  # seen once: filtered out
+    assert manager.lookup(key, ctx) is False
+    second = manager.prepare_store([key], ctx)
+    assert second is not None and second.keys_to_store == [key]
+
+
+async def test_real_manager_events_reach_a_subscriber_through_the_spec() -> None:
+    from aiokvo.keys import make_offload_key
+    from aiokvo.specs import OffloadingEvent, ReqContext
+
+    key = make_offload_key(b"block", 0)
+    async with CPUOffloadingSpec(make_config(enable_events=True)) as spec:
+        manager = spec.get_manager()
+        events = manager.subscribe()
+        out = manager.prepare_store([key], ReqContext())
+        assert out is not None
+        manager.complete_store(out.keys_to_store)
+        assert list(manager.take_events()) == [OffloadingEvent([key], "CPU", removed=False)]
+    assert events.closed, "closing the spec shut the manager down"
+    assert [item async for item in events] == [OffloadingEvent([key], "CPU", removed=False)]
