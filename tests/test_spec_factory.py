@@ -405,3 +405,44 @@ async def test_real_manager_events_reach_a_subscriber_through_the_spec() -> None
         assert list(manager.take_events()) == [OffloadingEvent([key], "CPU", removed=False)]
     assert events.closed, "closing the spec shut the manager down"
     assert [item async for item in events] == [OffloadingEvent([key], "CPU", removed=False)]
+
+
+@pytest.mark.both_loops
+async def test_real_handlers_round_trip_a_block_through_the_spec() -> None:
+    import torch
+
+    from aiokvo.handlers.worker import OffloadingWorker
+    from aiokvo.keys import make_offload_key
+    from aiokvo.layout import CanonicalKVCaches
+    from aiokvo.specs import ReqContext
+
+    layers = [torch.zeros((8, 2, 64), dtype=torch.int8) for _ in range(2)]  # 2 layers
+    kv_caches = CanonicalKVCaches.from_block_tensors([layers])
+    page = kv_caches.page_bytes_per_block
+    config = make_config(cpu_bytes_to_use=4 * page, kv_bytes_per_block=page)
+    assert config.num_cpu_blocks == 4
+    payload = torch.arange(128, dtype=torch.int8).reshape(2, 64)
+    layers[0][3] = payload
+    layers[1][3] = -payload
+    key = make_offload_key(b"prefix", 0)
+    ctx = ReqContext()
+
+    async with CPUOffloadingSpec(config) as spec, OffloadingWorker() as worker:
+        for route in spec.get_handlers(kv_caches):
+            worker.register_handler(*route)
+        manager = spec.get_manager()
+
+        out = manager.prepare_store([key], ctx)
+        assert out is not None
+        gpu_src = GPULoadStoreSpec([3], group_sizes=[1], block_indices=[0])
+        stored = await worker.transfer_async(1, (gpu_src, out.store_spec))
+        assert stored.success and stored.transfer_type == ("GPU", "CPU")
+        manager.complete_store(out.keys_to_store)
+
+        cpu_src = manager.prepare_load([key], ctx)
+        gpu_dst = GPULoadStoreSpec([6], group_sizes=[1], block_indices=[0])
+        loaded = await worker.transfer_async(2, (cpu_src, gpu_dst))
+        manager.complete_load([key])
+        assert loaded.success and loaded.transfer_type == ("CPU", "GPU")
+    assert torch.equal(layers[0][6], payload)
+    assert torch.equal(layers[1][6], -payload)
