@@ -20,6 +20,7 @@ __all__ = [
     "HandlerClosedError",
     "InvalidSpecError",
     "PollerClosedError",
+    "LayoutError",
     "SharedRegionError",
     "SharedRegionLayoutError",
     "SharedRegionTimeoutError",
@@ -111,6 +112,10 @@ class CudaUnavailableError(AiokvoError, RuntimeError):
 
 class SubscriptionClosed(AiokvoError):
     """An event subscription was closed and everything it buffered was read."""
+
+
+class LayoutError(ConfigError):
+    """KV-cache tensors that cannot be viewed as ``(num_blocks, page_bytes)`` int8 rows."""
 
 
 class DuplicateRouteError(ConfigError):
