@@ -5,8 +5,8 @@ generation counters, and "device" pointers are host pointers, so copies are
 ``memmove``. That is enough to run the CUDA handler's ordering, pooling,
 lifetime and error logic in CPU tests. Failures can be injected at a call
 (:meth:`FakeDriver.fail_call`, raised synchronously like a bad argument)
-or at completion (:meth:`FakeDriver.fail_next_op`, surfaced by the next
-event recorded on that stream, like an asynchronous launch failure).
+or at completion (:meth:`FakeDriver.fail_next_op`, surfaced by every later
+event recorded on that stream, like CUDA's sticky asynchronous errors).
 """
 
 from __future__ import annotations
@@ -63,8 +63,7 @@ class _FakeStream:
     def __init__(self, handle: int) -> None:
         self.handle = handle
         self.ops: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
-        self.pending_failure: CudaError | None = None
-        self.error: CudaError | None = None  # set by a failed op, taken by the next event
+        self.error: CudaError | None = None  # set by a failed op; every later event fails
         self.thread = threading.Thread(target=self._run, name=f"fake-stream-{handle}", daemon=True)
         self.thread.start()
 
@@ -95,6 +94,8 @@ class FakeDriver:
         self.calls: Counter[str] = Counter()
         self.kernels_compiled: Counter[str] = Counter()
         self._producer: int | None = None
+        self._pending_gate: threading.Event | None = None
+        self._pending_failure: CudaError | None = None
         self._clock = itertools.count(1)
 
     # -- test controls --------------------------------------------------
@@ -105,12 +106,17 @@ class FakeDriver:
         errors = self._call_failures.setdefault(call, [])
         errors.extend(CudaError(call, name, code, "injected by FakeDriver") for _ in range(times))
 
-    def fail_next_op(self, stream: int | None = None) -> None:
-        """Fail the next copy or launch on ``stream`` (any stream when None)."""
-        error = CudaError("cudaEventSynchronize", *_LAUNCH_FAILURE, "injected by FakeDriver")
-        targets = [self._streams[stream]] if stream is not None else list(self._streams.values())
-        for target in targets:
-            target.pending_failure = error
+    def fail_next_op(self) -> None:
+        """Make the next copy or launch enqueued fail when it runs (an async launch failure)."""
+        self._pending_failure = CudaError(
+            "cudaEventSynchronize", *_LAUNCH_FAILURE, "injected by FakeDriver"
+        )
+
+    def gate_next_op(self) -> threading.Event:
+        """Make the next copy or launch enqueued (on any stream) wait for the returned event."""
+        gate = threading.Event()
+        self._pending_gate = gate
+        return gate
 
     def enqueue_host(self, stream: int, fn: _Op) -> None:
         """Run ``fn`` on ``stream``'s thread, in order with its other work."""
@@ -171,9 +177,12 @@ class FakeDriver:
 
     def _device_op(self, stream: _FakeStream, work: _Op) -> None:
         """Enqueue work that an injected completion failure can replace."""
+        gate, self._pending_gate = self._pending_gate, None
+        failure, self._pending_failure = self._pending_failure, None
 
         def run() -> None:
-            failure, stream.pending_failure = stream.pending_failure, None
+            if gate is not None:
+                gate.wait()
             if failure is not None:
                 stream.error = failure
                 return
@@ -259,7 +268,7 @@ class FakeDriver:
 
         def mark() -> None:
             with self._cond:
-                target.error, owner.error = owner.error, None
+                target.error = owner.error  # sticky, like CUDA's asynchronous errors
                 target.timestamps[generation] = float(next(self._clock))
                 target.done = generation
                 self._cond.notify_all()

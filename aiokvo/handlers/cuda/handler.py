@@ -270,8 +270,9 @@ class CudaOffloadingHandler(SingleDirectionHandler):
         clean = True
         source = transfer.source
         if source is not None and not source.completed:
-            # Only reached if the poller could not take the source: make sure
-            # nothing still reads our buffers before they are reused.
+            # The copy failed (its stream and events are in an unknown state:
+            # destroy them rather than reuse them), or the poller never took
+            # the source (wait, so nothing still reads our buffers).
             try:
                 source.synchronize()
             except CudaError:
