@@ -335,6 +335,8 @@ class SharedOffloadRegion:
         self._row_stride = row_stride
         self._timeout = float(timeout)
         directory = Path(directory)
+        if not directory.is_dir():
+            raise ConfigError(f"directory {str(directory)!r} does not exist or is not a directory")
         self._path = directory / f"aiokvo_offload_{instance_id}.mmap"
         self._lock_path = directory / f"aiokvo_offload_{instance_id}.lock"
         self._views: list[torch.Tensor] = []
@@ -474,10 +476,7 @@ class SharedOffloadRegion:
 
     def _check_room(self) -> None:
         """Fail now, with sizes, rather than with SIGBUS when a page is first touched."""
-        try:
-            vfs = os.statvfs(self._path.parent)
-        except FileNotFoundError:
-            raise SharedRegionError(f"directory {self._path.parent} does not exist") from None
+        vfs = os.statvfs(self._path.parent)
         free = vfs.f_bavail * vfs.f_frsize
         if free and free < self._layout.file_bytes:
             raise SharedRegionError(
@@ -566,7 +565,7 @@ class SharedOffloadRegion:
         Views are packed one after another inside the rank's slice of each row,
         so the row stride (every rank's pages) is the view's first stride.
         """
-        base = self._open_base()
+        self._check_open()
         if self._rank is None:
             raise SharedRegionError(f"{self._path} was opened without a rank; use rows()")
         _check_positive("tensor_page_size", tensor_page_size)
@@ -580,7 +579,10 @@ class SharedOffloadRegion:
                 f"{lay.page_bytes_per_rank - used} left)"
             )
         view = torch.as_strided(
-            base, (lay.num_blocks, tensor_page_size), (self._row_stride, 1), self._next_offset
+            self._base_tensor(),
+            (lay.num_blocks, tensor_page_size),
+            (self._row_stride, 1),
+            self._next_offset,
         )
         self._next_offset += tensor_page_size
         self._views.append(view)
@@ -588,13 +590,18 @@ class SharedOffloadRegion:
 
     def rows(self) -> torch.Tensor:
         """All ranks' pages, one ``(row_stride,)`` int8 row per block."""
-        base = self._open_base()
-        lay = self._layout
-        return torch.as_strided(base, (lay.num_blocks, self._row_stride), (self._row_stride, 1))
+        self._check_open()
+        shape = (self._layout.num_blocks, self._row_stride)
+        return torch.as_strided(self._base_tensor(), shape, (self._row_stride, 1))
 
-    def _open_base(self) -> torch.Tensor:
+    # Raising frames must not hold the base tensor: a caller keeping the
+    # exception (and so its traceback) would keep the mapping exported.
+    def _check_open(self) -> None:
         if self._closed or self._base is None:
             raise SharedRegionError(f"shared region {self._path} is closed")
+
+    def _base_tensor(self) -> torch.Tensor:
+        assert self._base is not None
         return self._base
 
     # ---------------------------------------------------------------- pinning
@@ -605,13 +612,12 @@ class SharedOffloadRegion:
         Pinning is lazy because it faults in and locks every page, every rank's
         included; ``close()`` unregisters before unmapping.
         """
-        base = self._open_base()
+        self._check_open()
         if self._registration is not None:
             return
         pinned = importlib.import_module("aiokvo.memory.pinned")
-        registration: _Registration = pinned.HostRegistration(
-            base.data_ptr(), self._mmap.size(), driver=driver
-        )
+        ptr = self._base_tensor().data_ptr()
+        registration: _Registration = pinned.HostRegistration(ptr, len(self._mmap), driver=driver)
         registration.register()
         self._registration = registration
 
