@@ -47,6 +47,15 @@ SubscriptionItem: TypeAlias = OffloadingEvent | Lagged
 """What a subscription yields: an event, or a marker for a gap before the next one."""
 
 
+class _Gap:
+    """A mutable in-buffer gap, so repeated drops cost no allocation; read as Lagged."""
+
+    __slots__ = ("missed",)
+
+    def __init__(self, missed: int) -> None:
+        self.missed = missed
+
+
 class EventSubscription:
     """One reader's bounded, in-order view of a manager's events.
 
@@ -69,6 +78,7 @@ class EventSubscription:
         "_buffer",
         "_closed",
         "_dropped",
+        "_head_missed",
         "_maxsize",
         "_overflow",
         "_queued",
@@ -90,8 +100,11 @@ class EventSubscription:
         self._sink = sink
         self._maxsize = maxsize
         self._overflow: OverflowPolicy = overflow
-        self._buffer: deque[SubscriptionItem] = deque()
-        self._queued = 0  # events in _buffer; Lagged markers are not counted
+        # drop_oldest keeps only events in _buffer and counts its one gap (always
+        # before the head) in _head_missed; drop_newest keeps _Gap entries in place.
+        self._buffer: deque[OffloadingEvent | _Gap] = deque()
+        self._head_missed = 0
+        self._queued = 0  # events in _buffer; gaps are not counted
         self._dropped = 0
         self._closed = False
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -117,22 +130,17 @@ class EventSubscription:
             self._wake_one()
 
     def _drop_oldest_then_append(self, event: OffloadingEvent) -> None:
-        missed = 1
-        while True:  # a full buffer holds at least one event, so this ends
-            head = self._buffer.popleft()
-            if not isinstance(head, Lagged):
-                break
-            missed += head.missed
-        self._buffer.appendleft(Lagged(missed))
+        self._buffer.popleft()  # full, and under drop_oldest it holds only events
         self._buffer.append(event)
+        self._head_missed += 1
         self._dropped += 1
 
     def _drop_newest(self) -> None:
         tail = self._buffer[-1]
-        if isinstance(tail, Lagged):
-            self._buffer[-1] = Lagged(tail.missed + 1)
+        if isinstance(tail, _Gap):
+            tail.missed += 1
         else:
-            self._buffer.append(Lagged(1))
+            self._buffer.append(_Gap(1))
         self._dropped += 1
 
     # -- consumer side --------------------------------------------------------
@@ -143,10 +151,14 @@ class EventSubscription:
         Raises :class:`asyncio.QueueEmpty` when nothing is buffered, and
         :class:`~aiokvo.errors.SubscriptionClosed` once closed and drained.
         """
+        if self._head_missed:
+            missed, self._head_missed = self._head_missed, 0
+            return Lagged(missed)
         if self._buffer:
             item = self._buffer.popleft()
-            if not isinstance(item, Lagged):
-                self._queued -= 1
+            if isinstance(item, _Gap):
+                return Lagged(item.missed)
+            self._queued -= 1
             return item
         if self._closed:
             raise SubscriptionClosed("the event subscription is closed and drained")
@@ -154,7 +166,11 @@ class EventSubscription:
 
     def drain_nowait(self) -> list[SubscriptionItem]:
         """Everything buffered now, in order (empty when nothing is); never raises."""
-        items = list(self._buffer)
+        items: list[SubscriptionItem] = []
+        if self._head_missed:
+            items.append(Lagged(self._head_missed))
+            self._head_missed = 0
+        items.extend(Lagged(i.missed) if isinstance(i, _Gap) else i for i in self._buffer)
         self._buffer.clear()
         self._queued = 0
         return items
@@ -165,7 +181,7 @@ class EventSubscription:
         Raises :class:`~aiokvo.errors.SubscriptionClosed` once the
         subscription is closed and everything buffered before that was read.
         """
-        while not self._buffer:
+        while not self._buffer:  # a head gap implies buffered events behind it
             if self._closed:
                 raise SubscriptionClosed("the event subscription is closed and drained")
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
