@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 from collections.abc import Callable, Collection
 
 import pytest
 import uvloop
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aiokvo.errors import ConfigError, SubscriptionClosed
 from aiokvo.events import EventSubscription, Lagged, SubscriptionItem
@@ -252,6 +256,49 @@ def test_markers_do_not_count_against_maxsize() -> None:
     assert sub.qsize() == 2
     assert sub.dropped == 1
     assert sub.drain_nowait() == [stored(1), Lagged(1), stored(3)]
+
+
+@settings(max_examples=150, derandomize=True, deadline=None)
+@given(
+    maxsize=st.integers(1, 5),
+    overflow=st.sampled_from(["drop_oldest", "drop_newest"]),
+    ops=st.lists(st.integers(0, 3), max_size=60),
+)
+def test_markers_account_for_exactly_the_missing_events(
+    maxsize: int, overflow: str, ops: list[int]
+) -> None:
+    """Walking the stream, each Lagged(n) skips exactly n event numbers, in place."""
+    sub = EventSubscription(
+        EventSink(record=False),
+        maxsize=maxsize,
+        overflow=overflow,  # type: ignore[arg-type]
+    )
+    pushed = 0
+    stream: list[SubscriptionItem] = []
+    for op in ops:  # 0-2: push that many events; 3: read one item if any
+        if op == 3:
+            with contextlib.suppress(asyncio.QueueEmpty):
+                stream.append(sub.receive_nowait())
+            continue
+        for _ in range(op):
+            sub.push(stored(pushed))
+            pushed += 1
+        assert sub.qsize() <= maxsize
+    buffered = sub.drain_nowait()
+    for first, second in itertools.pairwise(buffered):
+        assert not (isinstance(first, Lagged) and isinstance(second, Lagged)), "gaps merge"
+    stream.extend(buffered)
+
+    expected_next = 0
+    for item in stream:
+        if isinstance(item, Lagged):
+            assert item.missed >= 1
+            expected_next += item.missed
+        else:
+            assert item == stored(expected_next)
+            expected_next += 1
+    assert expected_next == pushed
+    assert sum(i.missed for i in stream if isinstance(i, Lagged)) == sub.dropped
 
 
 # -- receiving -------------------------------------------------------------------
