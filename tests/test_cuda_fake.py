@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import threading
 import weakref
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,9 +24,12 @@ from aiokvo.handlers.cuda.engines import choose_engine, coalesce
 from aiokvo.handlers.cuda.fake import FakeDriver
 from aiokvo.handlers.cuda.handler import CudaOffloadingHandler
 from aiokvo.handlers.cuda.kernel import COPY_KERNEL_NAME, COPY_KERNEL_SOURCE, get_copy_kernel
+from aiokvo.handlers.cuda.pair import make_cuda_handlers
+from aiokvo.handlers.pair import CpuGpuHandlers
 from aiokvo.handlers.plan import PointerPlan
-from aiokvo.layout import CanonicalKVCacheRef
+from aiokvo.layout import CanonicalKVCacheRef, CanonicalKVCaches
 from aiokvo.memory.pinned import HostRegistration, PinnedHostTensor
+from aiokvo.memory.shared_region import SharedOffloadRegion
 from aiokvo.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 PAGE = 256
@@ -470,3 +475,58 @@ def test_fake_streams_run_in_order_and_events_see_them(fake: FakeDriver) -> None
     assert seen == [1] and fake.event_query(event) is True
     fake.event_destroy(event)
     fake.stream_destroy(stream)
+
+
+# ------------------------------------------------------------- pair and region
+
+
+async def test_make_cuda_handlers_pins_the_pool_and_unpins_it_on_close(fake: FakeDriver) -> None:
+    kv = [torch.randn(6, 4, 32).to(torch.bfloat16) for _ in range(3)]  # 256-byte pages
+    caches = CanonicalKVCaches.from_block_tensors([kv[:2], kv[2:]])
+    handlers = make_cuda_handlers(caches, block_size_factor=2, num_cpu_blocks=4, driver=fake)
+    assert isinstance(handlers, CpuGpuHandlers)
+    assert [tuple(t.shape) for t in handlers.cpu_tensors] == [(4, 512)] * 3
+    assert len(fake.registered) == 3
+    async with handlers:
+        spec = GPULoadStoreSpec([1, 2, 5], [2, 1], [0, 0]), CPULoadStoreSpec([3, 0])
+        assert (await handlers.gpu_to_cpu.transfer_async(1, spec)).success
+        raw = [t.view(torch.int8).reshape(6, -1) for t in kv]
+        assert torch.equal(handlers.cpu_tensors[0][3], torch.cat([raw[0][1], raw[0][2]]))
+        assert torch.equal(handlers.cpu_tensors[2][0, :256], raw[2][5])
+        saved = raw[0][[1, 2]].clone()
+        raw[0][[1, 2]] = 0
+        back = CPULoadStoreSpec([3]), GPULoadStoreSpec([1, 2], [2, 0], [0, 0])
+        assert (await handlers.cpu_to_gpu.transfer_async(2, back)).success
+        assert torch.equal(raw[0][[1, 2]], saved)
+    assert fake.registered == {}
+    assert fake.live_events == 0
+
+
+def test_make_cuda_handlers_rejects_bad_sizes(fake: FakeDriver) -> None:
+    caches = CanonicalKVCaches.from_block_tensors([[torch.zeros(2, 8, dtype=torch.int8)]])
+    with pytest.raises(ConfigError, match="-1"):
+        make_cuda_handlers(caches, block_size_factor=1, num_cpu_blocks=-1, driver=fake)
+    assert fake.registered == {}
+
+
+def test_shared_region_pins_through_host_registration(fake: FakeDriver, tmp_path: Path) -> None:
+    region = SharedOffloadRegion(
+        f"cudafake{os.getpid()}",
+        num_blocks=4,
+        num_workers=2,
+        page_bytes_per_rank=4096,
+        rank=0,
+        directory=tmp_path,
+    )
+    try:
+        region.pin(driver=fake)
+        region.pin(driver=fake)  # idempotent
+        assert region.is_pinned
+        ((base, size),) = fake.registered.items()
+        assert size >= 4 * 2 * 4096
+        view = region.create_next_view(4096)
+        assert base <= view.data_ptr() < base + size
+        del view
+    finally:
+        region.close()
+    assert fake.registered == {}

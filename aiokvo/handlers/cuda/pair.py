@@ -1,0 +1,90 @@
+"""Both CUDA directions over one pinned CPU pool, as ``make_cpu_gpu_handlers`` wants them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from aiokvo.errors import ConfigError
+from aiokvo.handlers.cuda.driver import CudaDriver, load_driver
+from aiokvo.handlers.cuda.handler import CudaOffloadingHandler
+from aiokvo.handlers.pair import CpuGpuHandlers
+from aiokvo.layout import CanonicalKVCaches
+from aiokvo.memory.pinned import DEFAULT_MAX_CHUNK, PinnedHostTensor
+
+__all__ = ["CudaCpuGpuHandlers", "make_cuda_handlers"]
+
+
+@dataclass(slots=True)
+class CudaCpuGpuHandlers(CpuGpuHandlers):
+    """:class:`CpuGpuHandlers` that also owns the pinned pool: closing unpins it last."""
+
+    pinned: tuple[PinnedHostTensor, ...] = field(default=())
+
+    async def aclose(self) -> None:
+        try:
+            await CpuGpuHandlers.aclose(self)
+        finally:
+            pinned, self.pinned = self.pinned, ()
+            for pool in pinned:
+                pool.close()
+
+
+def make_cuda_handlers(
+    kv_caches: CanonicalKVCaches,
+    *,
+    block_size_factor: int,
+    num_cpu_blocks: int,
+    driver: CudaDriver | None = None,
+    max_chunk: int = DEFAULT_MAX_CHUNK,
+    **options: Any,
+) -> CudaCpuGpuHandlers:
+    """A store and a load :class:`CudaOffloadingHandler` over a fresh pinned CPU pool.
+
+    The pool has one ``(num_cpu_blocks, page_size_bytes * block_size_factor)``
+    int8 tensor per canonical KV tensor, registered with ``cudaHostRegister``
+    (portable, mapped). ``options`` go to both handlers (``engine``,
+    ``kernel_below_bytes``, ``timing``, ``producer_stream``, ``poller_mode``,
+    ...). Raises :class:`~aiokvo.errors.CudaUnavailableError` without a GPU
+    unless a ``driver`` (e.g. the fake) is given.
+    """
+    for name, value, minimum in (
+        ("block_size_factor", block_size_factor, 1),
+        ("num_cpu_blocks", num_cpu_blocks, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if driver is None:
+        device = kv_caches.device
+        driver = load_driver(device.index if device.type == "cuda" and device.index else 0)
+    pinned: list[PinnedHostTensor] = []
+    cpu_tensors: list[torch.Tensor] = []
+    try:
+        for tensor in kv_caches.tensors:
+            row_bytes = tensor.page_size_bytes * block_size_factor
+            if num_cpu_blocks == 0:
+                cpu_tensors.append(torch.empty((0, row_bytes), dtype=torch.int8))
+                continue
+            pool = PinnedHostTensor(num_cpu_blocks, row_bytes, driver=driver, max_chunk=max_chunk)
+            pinned.append(pool)
+            cpu_tensors.append(pool.tensor)
+        gpu_tensors = [t.tensor for t in kv_caches.tensors]
+        common: dict[str, Any] = {
+            "gpu_tensors": gpu_tensors,
+            "cpu_tensors": cpu_tensors,
+            "group_data_refs": kv_caches.group_data_refs,
+            "block_size_factor": block_size_factor,
+            "driver": driver,
+            **options,
+        }
+        store = CudaOffloadingHandler(gpu_to_cpu=True, **common)
+        load = CudaOffloadingHandler(gpu_to_cpu=False, **common)
+    except BaseException:
+        for pool in pinned:
+            pool.close()
+        raise
+    return CudaCpuGpuHandlers(
+        gpu_to_cpu=store, cpu_to_gpu=load, cpu_tensors=tuple(cpu_tensors), pinned=tuple(pinned)
+    )
