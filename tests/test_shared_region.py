@@ -179,7 +179,7 @@ def test_two_processes_share_interleaved_rows_then_killed_creator_is_replaced(ii
 
 
 def test_dead_pid_in_header_is_replaced_and_old_creator_leaves_replacement(iid: str) -> None:
-    mmap_path, _ = paths(iid)
+    mmap_path, lock_path = paths(iid)
     old = region(iid)
     old.create_next_view(16).fill_(7)
     dead_pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # can never exist
@@ -189,10 +189,10 @@ def test_dead_pid_in_header_is_replaced_and_old_creator_leaves_replacement(iid: 
     assert new.is_creator and new.generation == 42
     assert int(new.rows().abs().sum()) == 0
     old.close()  # the old creator's file is gone; it must not unlink its successor
-    assert mmap_path.exists()
+    assert mmap_path.exists() and lock_path.exists()
     assert read_header(mmap_path).generation == 42
     new.close()
-    assert not mmap_path.exists()
+    assert not mmap_path.exists() and not lock_path.exists()
 
 
 def test_reused_pid_with_other_start_time_is_stale(iid: str) -> None:

@@ -178,7 +178,8 @@ def _owner_alive(header: _Header) -> bool:
     When in doubt (another pid namespace) the answer is yes: a live peer's
     file must never be replaced.
     """
-    if header.boot_id != bytes(16) and header.boot_id != _boot_id():
+    ours = _boot_id()
+    if bytes(16) not in (header.boot_id, ours) and header.boot_id != ours:
         return False
     if header.pid_namespace != _pid_namespace():
         return True
@@ -269,11 +270,13 @@ def _release_file(
         return
     lock_fd = _acquire_lock(lock_path, time.monotonic() + _CLOSE_LOCK_TIMEOUT_S)
     try:
+        successor = False
         with contextlib.suppress(FileNotFoundError):
             st = os.stat(path)
-            if (st.st_dev, st.st_ino) == identity:  # not a successor's replacement
+            successor = (st.st_dev, st.st_ino) != identity  # a replacement: not ours
+            if not successor:
                 os.unlink(path)
-        if lock_fd is not None:
+        if lock_fd is not None and not successor:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(lock_path)
     finally:
