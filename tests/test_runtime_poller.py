@@ -222,3 +222,41 @@ async def test_bad_settings_name_the_value() -> None:
         EventPoller(loop, spin_budget=-1)
     with pytest.raises(ConfigError, match="0"):
         EventPoller(loop, idle_thread_timeout=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_sources_already_done_when_watched_keep_their_place(mode: PollerMode) -> None:
+    poller = EventPoller(mode=mode)
+    order: list[int] = []
+    pending: list[HostEvent] = []
+    futures = []
+    for i in range(60):
+        source = HostEvent()
+        if i % 3 == 0:
+            source.set()  # e.g. an empty copy: finished before it is watched
+        else:
+            pending.append(source)
+        future = poller.watch("lane", source)
+        future.add_done_callback(lambda _, i=i: order.append(i))
+        futures.append(future)
+        if i % 10 == 9:
+            await asyncio.sleep(0.001)  # let some deliveries interleave with new watches
+
+    def finish() -> None:
+        for source in pending:
+            source.set()
+            time.sleep(0.0002)
+
+    thread = threading.Thread(target=finish)
+    thread.start()
+    await asyncio.wait_for(asyncio.gather(*futures), 5)
+    thread.join()
+    assert order == list(range(60))
+
+
+async def test_thread_mode_skips_the_thread_for_sources_already_done() -> None:
+    poller = EventPoller(mode="thread")
+    done = HostEvent()
+    done.set()
+    await asyncio.wait_for(poller.watch("lane", done), 5)
+    assert poller.active_threads == 0

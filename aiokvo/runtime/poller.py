@@ -104,6 +104,11 @@ class _LaneWaiter:
             else:
                 self._cond.notify()
 
+    def is_empty(self) -> bool:
+        """True when nothing is queued or on its way to the loop."""
+        with self._cond:
+            return not self._queue
+
     def close(self) -> list[_Entry]:
         """Stop the thread and hand back what it had not started on."""
         with self._cond:
@@ -148,10 +153,11 @@ class _LaneWaiter:
                         error = exc
                     self._queue.popleft()
                     batch.append((callback, error))
-            if not self._poller._deliver_threadsafe(batch):
-                with self._cond:
+                # Hand over while still holding the lock, so that a completion the
+                # loop finds already done (see ``is_empty``) cannot overtake this batch.
+                if not self._poller._deliver_threadsafe(batch):
                     self._alive = False
-                return
+                    return
 
 
 class EventPoller:
@@ -280,7 +286,17 @@ class EventPoller:
         loop = self._require_loop()
         lane_mode = self._mode if mode is None else mode
         if lane_mode == "thread":
-            self._waiter_for(lane).push((source, callback))
+            waiter = self._waiter_for(lane)
+            if waiter.is_empty():
+                # Already finished (an inline or empty copy): skip the thread hop.
+                try:
+                    done, error = source.query(), None
+                except BaseException as exc:
+                    done, error = True, exc
+                if done:
+                    loop.call_soon(self._run_batch, [(callback, error)])
+                    return
+            waiter.push((source, callback))
             return
         if lane_mode not in _MODES:
             raise ConfigError(f"mode must be one of {', '.join(_MODES)}; got {lane_mode!r}")
