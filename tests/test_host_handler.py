@@ -1,0 +1,326 @@
+"""The host backend and the handler pair: byte-exact round trips, ordering, faults, closing."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import torch
+
+from aiokvo.errors import CudaUnavailableError, HandlerClosedError, LayoutError, TransferSpecError
+from aiokvo.handlers.host import HostCopy, HostOffloadingHandler, apply_host_copies
+from aiokvo.handlers.pair import CpuGpuHandlers, make_cpu_gpu_handlers
+from aiokvo.keys import make_offload_key
+from aiokvo.layout import CanonicalKVCaches
+from aiokvo.manager.cpu import CPUOffloadingManager
+from aiokvo.specs import CPULoadStoreSpec, GPULoadStoreSpec, ReqContext
+
+NUM_GPU_BLOCKS = 24
+
+
+def _kv_caches(layout: str, layers_per_group: Sequence[int], page_elems: int = 24):
+    """Random bf16 KV layers, grouped; returns the raw layers and the canonical caches."""
+    gen = torch.Generator().manual_seed(1234)
+    groups = []
+    for n in layers_per_group:
+        shape = (NUM_GPU_BLOCKS, 2, page_elems) if layout == "blocks_first" else None
+        if layout == "kv_first":
+            shape = (2, NUM_GPU_BLOCKS, 2, page_elems)
+        assert shape is not None
+        groups.append([torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(n)])
+    return groups, CanonicalKVCaches.from_engine(groups, layout=layout)  # type: ignore[arg-type]
+
+
+def _expected_cpu_pages(
+    gpu_spec: GPULoadStoreSpec, cpu_ids: Sequence[int], factor: int
+) -> list[list[tuple[int, int, int]]]:
+    """Per group: (gpu_block, cpu_block, sub_block) for every page, one at a time."""
+    out: list[list[tuple[int, int, int]]] = []
+    g_at = c_at = 0
+    for size, index in zip(gpu_spec.group_sizes, gpu_spec.block_indices, strict=True):
+        skip = index % factor
+        pages = []
+        for k in range(size):
+            sub = skip + k
+            pages.append(
+                (
+                    int(gpu_spec.block_ids[g_at + k]),
+                    int(cpu_ids[c_at + sub // factor]),
+                    sub % factor,
+                )
+            )
+        out.append(pages)
+        g_at += size
+        c_at += -(-(size + skip) // factor) if size else 0
+    return out
+
+
+def _page(cpu: torch.Tensor, block: int, sub: int, page: int) -> bytes:
+    return cpu[block, sub * page : (sub + 1) * page].numpy().tobytes()
+
+
+def _gpu_row(caches: CanonicalKVCaches, idx: int, block: int) -> bytes:
+    return caches.tensors[idx].tensor[block].numpy().tobytes()
+
+
+@pytest.mark.parametrize("factor", [1, 3])
+@pytest.mark.parametrize("layout", ["blocks_first", "kv_first"])
+@pytest.mark.parametrize("poller_mode", ["thread", "adaptive", "spin"])
+async def test_round_trip_is_byte_exact(factor: int, layout: str, poller_mode: str) -> None:
+    groups, caches = _kv_caches(layout, [2, 1, 2])
+    # Group 1 is empty in this request; group 2's first block is not aligned
+    # to an offloaded block (index 4 with factor 3 -> skip one sub-block).
+    gpu_spec = GPULoadStoreSpec([3, 9, 1, 7, 0, 12, 5, 18, 20], [5, 0, 4], [0, 2, 4])
+    n_cpu = sum(-(-(s + i % factor) // factor) if s else 0 for s, i in [(5, 0), (4, 4)])
+    cpu_ids = list(np.random.default_rng(factor).choice(30, size=n_cpu, replace=False))
+    cpu_spec = CPULoadStoreSpec(cpu_ids)
+    originals = [_gpu_row(caches, t, b) for t in range(len(caches.tensors)) for b in range(24)]
+
+    async with make_cpu_gpu_handlers(
+        caches, block_size_factor=factor, num_cpu_blocks=30, poller_mode=poller_mode
+    ) as handlers:
+        store = await handlers.gpu_to_cpu.transfer_async(1, (gpu_spec, cpu_spec))
+        assert store.success and store.error is None
+        assert store.transfer_type == ("GPU", "CPU")
+        per_block = [caches.copied_bytes_per_block(g) for g in range(3)]
+        assert store.transfer_size == 5 * per_block[0] + 4 * per_block[2]
+
+        expected = _expected_cpu_pages(gpu_spec, cpu_ids, factor)
+        written: set[tuple[int, int, int]] = set()
+        for g, pages in enumerate(expected):
+            for ref in caches.group_data_refs[g]:
+                cpu = handlers.cpu_tensors[ref.tensor_idx]
+                for gpu_block, cpu_block, sub in pages:
+                    want = _gpu_row(caches, ref.tensor_idx, gpu_block)
+                    assert _page(cpu, cpu_block, sub, ref.page_size_bytes) == want
+                    written.add((ref.tensor_idx, cpu_block, sub))
+        # Everything else in the pool, including the skipped sub-block, is untouched.
+        for t, cpu in enumerate(handlers.cpu_tensors):
+            for block in range(30):
+                for sub in range(factor):
+                    if (t, block, sub) not in written:
+                        assert not any(_page(cpu, block, sub, caches.tensors[t].page_size_bytes))
+
+        # Load back into other GPU blocks (same group shapes) and compare.
+        load_ids = [2, 4, 6, 8, 10, 11, 13, 15, 17]
+        load_spec = GPULoadStoreSpec(load_ids, [5, 0, 4], [0, 2, 4])
+        load = await handlers.cpu_to_gpu.transfer_async(2, (cpu_spec, load_spec))
+        assert load.success and load.transfer_type == ("CPU", "GPU")
+        assert load.transfer_size == store.transfer_size
+        for g, size_start in enumerate([(0, 5), (5, 0), (5, 4)]):
+            start, size = size_start
+            for ref in caches.group_data_refs[g]:
+                for k in range(size):
+                    src_block = int(gpu_spec.block_ids[start + k])
+                    dst_block = load_ids[start + k]
+                    assert (
+                        _gpu_row(caches, ref.tensor_idx, dst_block)
+                        == originals[ref.tensor_idx * 24 + src_block]
+                    )
+        # The raw engine tensors saw the load too (the canonical rows are views).
+        if layout == "kv_first":
+            assert torch.equal(groups[0][0][1, 2], groups[0][0][1, 3])
+        else:
+            assert torch.equal(groups[0][0][2], groups[0][0][3])
+
+
+async def test_transfer_time_and_size_are_reported() -> None:
+    _, caches = _kv_caches("blocks_first", [1])
+    async with make_cpu_gpu_handlers(caches, block_size_factor=1, num_cpu_blocks=4) as handlers:
+        result = await handlers.gpu_to_cpu.transfer_async(
+            5, (GPULoadStoreSpec([0, 1], [2], [0]), CPULoadStoreSpec([3, 2]))
+        )
+    assert result.job_id == 5
+    assert result.transfer_size == 2 * caches.tensors[0].page_size_bytes
+    assert result.transfer_time is not None and result.transfer_time >= 0
+
+
+@pytest.mark.both_loops
+async def test_bounds_errors_raise_before_any_copy() -> None:
+    _, caches = _kv_caches("kv_first", [2])
+    async with make_cpu_gpu_handlers(caches, block_size_factor=2, num_cpu_blocks=4) as handlers:
+        for cpu in handlers.cpu_tensors:
+            cpu.fill_(7)
+        before = [t.tensor.clone() for t in caches.tensors]
+        bad = [
+            # CPU block 4 does not exist (pool has 4 blocks)
+            ((CPULoadStoreSpec([4]), GPULoadStoreSpec([0, 1], [2], [0])), "CPU block id 4"),
+            # GPU block 24 does not exist
+            ((CPULoadStoreSpec([0]), GPULoadStoreSpec([0, 24], [2], [0])), "GPU block id 24"),
+            # partial first block needs two CPU blocks, one given
+            ((CPULoadStoreSpec([0]), GPULoadStoreSpec([0, 1], [2], [1])), "need 2"),
+            # wrong direction for this handler
+            ((GPULoadStoreSpec([0], [1], [0]), CPULoadStoreSpec([0])), "got a GPU -> CPU spec"),
+            # two groups for caches with one
+            ((CPULoadStoreSpec([0]), GPULoadStoreSpec([0], [1, 0], [0, 0])), "has 2 groups"),
+        ]
+        for spec, needle in bad:
+            with pytest.raises(TransferSpecError, match=needle):
+                handlers.cpu_to_gpu.transfer_async(1, spec)  # type: ignore[arg-type]
+        assert handlers.cpu_to_gpu.in_flight == 0
+        for t, old in zip(caches.tensors, before, strict=True):
+            assert torch.equal(t.tensor, old)
+        # The handler is still usable after rejecting bad input.
+        ok = await handlers.cpu_to_gpu.transfer_async(
+            1, (CPULoadStoreSpec([0]), GPULoadStoreSpec([0, 1], [2], [0]))
+        )
+        assert ok.success
+        assert bool((caches.tensors[0].tensor[0] == 7).all())
+
+
+@pytest.mark.both_loops
+async def test_completions_and_copies_follow_submission_order() -> None:
+    _, caches = _kv_caches("blocks_first", [1])
+    async with make_cpu_gpu_handlers(caches, block_size_factor=1, num_cpu_blocks=2) as handlers:
+        store = handlers.gpu_to_cpu
+        # Every job writes GPU block (job % 24) into the same CPU block: the last one must win.
+        tasks = [
+            store.transfer_async(
+                job, (GPULoadStoreSpec([job % 24], [1], [0]), CPULoadStoreSpec([1]))
+            )
+            for job in range(60)
+        ]
+        results = [await task for task in tasks]
+        assert all(r.success for r in results)
+        finished = store.get_finished_nowait()
+        assert [r.job_id for r in finished] == list(range(60))
+        assert _page(handlers.cpu_tensors[0], 1, 0, caches.tensors[0].page_size_bytes) == _gpu_row(
+            caches, 0, 59 % 24
+        )
+
+
+async def test_fault_injection_fails_the_transfer_and_frees_blocks() -> None:
+    _, caches = _kv_caches("blocks_first", [1])
+    manager = CPUOffloadingManager(num_blocks=4)
+    boom = RuntimeError("injected copy fault")
+    calls: list[int] = []
+
+    def failing_copy(copies: Sequence[HostCopy]) -> None:
+        calls.append(len(copies))
+        raise boom
+
+    async with make_cpu_gpu_handlers(
+        caches, block_size_factor=1, num_cpu_blocks=4, copy_fn=failing_copy
+    ) as handlers:
+        ctx = ReqContext()
+        keys = [make_offload_key(bytes([i]) * 8, 0) for i in range(3)]
+        prepared = manager.prepare_store(keys, ctx)
+        assert prepared is not None and prepared.keys_to_store == keys
+        assert manager.num_free_blocks == 1
+        gpu_spec = GPULoadStoreSpec([0, 1, 2], [3], [0])
+        result = await handlers.gpu_to_cpu.transfer_async(11, (gpu_spec, prepared.store_spec))
+        assert calls == [1]
+        assert not result.success
+        assert result.error is boom
+        # What a scheduler does with a failed store: release the blocks.
+        manager.complete_store(prepared.keys_to_store, success=result.success)
+        assert manager.num_free_blocks == 4
+        assert manager.lookup_prefix(keys, ctx) == 0
+        # The pool was never written.
+        assert not handlers.cpu_tensors[0].any()
+        # And the same keys can be stored again.
+        again = manager.prepare_store(keys, ctx)
+        assert again is not None and again.keys_to_store == keys
+
+
+async def test_aclose_waits_for_copies_in_flight() -> None:
+    _, caches = _kv_caches("blocks_first", [1])
+    gate = threading.Event()
+    started = threading.Event()
+
+    def gated_copy(copies: Sequence[HostCopy]) -> None:
+        started.set()
+        gate.wait(timeout=10)
+        apply_host_copies(copies)
+
+    handlers = make_cpu_gpu_handlers(
+        caches, block_size_factor=1, num_cpu_blocks=8, copy_fn=gated_copy
+    )
+    store = handlers.gpu_to_cpu
+    tasks = [
+        store.transfer_async(j, (GPULoadStoreSpec([j], [1], [0]), CPULoadStoreSpec([j])))
+        for j in range(3)
+    ]
+    closing = asyncio.ensure_future(handlers.aclose())
+    await asyncio.to_thread(started.wait, 10)
+    await asyncio.sleep(0.01)
+    assert not closing.done()
+    assert store.in_flight == 3
+    with pytest.raises(HandlerClosedError):
+        store.transfer_async(9, (GPULoadStoreSpec([0], [1], [0]), CPULoadStoreSpec([0])))
+    gate.set()
+    await asyncio.wait_for(closing, timeout=10)
+    assert all(t.done() and t.result().success for t in tasks)
+    page = caches.tensors[0].page_size_bytes
+    for j in range(3):
+        assert _page(handlers.cpu_tensors[0], j, 0, page) == _gpu_row(caches, 0, j)
+    assert store.in_flight == 0
+    assert isinstance(store, HostOffloadingHandler)
+    assert store._pool._shutdown  # the worker thread was released
+
+
+async def test_cancelled_wait_still_reports_the_copy() -> None:
+    _, caches = _kv_caches("blocks_first", [1])
+    gate = threading.Event()
+
+    def gated_copy(copies: Sequence[HostCopy]) -> None:
+        gate.wait(timeout=10)
+        apply_host_copies(copies)
+
+    async with make_cpu_gpu_handlers(
+        caches, block_size_factor=1, num_cpu_blocks=4, copy_fn=gated_copy
+    ) as handlers:
+        task = handlers.gpu_to_cpu.transfer_async(
+            3, (GPULoadStoreSpec([5], [1], [0]), CPULoadStoreSpec([2]))
+        )
+        waiter = asyncio.ensure_future(_await(task))
+        await asyncio.sleep(0)
+        waiter.cancel()
+        gate.set()
+        result = await task
+        assert result.success
+        assert [r.job_id for r in handlers.gpu_to_cpu.get_finished_nowait()] == [3]
+    page = caches.tensors[0].page_size_bytes
+    assert _page(handlers.cpu_tensors[0], 2, 0, page) == _gpu_row(caches, 0, 5)
+
+
+async def _await(task: object) -> object:
+    return await task  # type: ignore[misc]
+
+
+def test_apply_host_copies_uses_slices_for_runs() -> None:
+    src = torch.arange(40, dtype=torch.int8).view(10, 4)
+    dst = torch.zeros(6, 4, dtype=torch.int8)
+    copy = HostCopy(src, dst, torch.tensor([2, 3, 4]), torch.tensor([5, 0, 1]), 2, None)
+    apply_host_copies([copy])
+    assert dst[5].tolist() == src[2].tolist() and dst[1].tolist() == src[4].tolist()
+    copy = HostCopy(src, dst, torch.tensor([9, 0]), torch.tensor([2, 3]), None, 2)
+    apply_host_copies([copy])
+    assert dst[2].tolist() == src[9].tolist() and dst[3].tolist() == src[0].tolist()
+
+
+def test_pair_allocates_one_pool_per_tensor_and_validates() -> None:
+    _, caches = _kv_caches("kv_first", [1, 1])
+    handlers = make_cpu_gpu_handlers(caches, block_size_factor=4, num_cpu_blocks=5)
+    assert isinstance(handlers, CpuGpuHandlers)
+    assert len(handlers.cpu_tensors) == len(caches.tensors) == 4
+    for cpu, kv in zip(handlers.cpu_tensors, caches.tensors, strict=True):
+        assert cpu.shape == (5, kv.page_size_bytes * 4) and cpu.dtype == torch.int8
+    with pytest.raises(LayoutError, match="CPU pool 0 rows must be"):
+        HostOffloadingHandler(caches, handlers.cpu_tensors, block_size_factor=2, gpu_to_cpu=True)
+    with pytest.raises(LayoutError, match="4 KV tensors need as many CPU pools, got 1"):
+        HostOffloadingHandler(
+            caches, handlers.cpu_tensors[:1], block_size_factor=4, gpu_to_cpu=True
+        )
+
+
+def test_cuda_caches_without_a_cuda_backend_raise(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, caches = _kv_caches("blocks_first", [1])
+    monkeypatch.setattr(CanonicalKVCaches, "is_cuda", property(lambda self: True))
+    monkeypatch.setitem(sys.modules, "aiokvo.handlers.cuda.pair", None)  # import fails
+    with pytest.raises(CudaUnavailableError, match="CUDA backend not available"):
+        make_cpu_gpu_handlers(caches, block_size_factor=1, num_cpu_blocks=2)
