@@ -141,7 +141,7 @@ class HostRegistration:
 class PinnedHostTensor:
     """A ``(num_rows, row_bytes)`` int8 CPU tensor pinned for its lifetime.
 
-    The tensor is allocated with ``torch.empty`` and registered through
+    The tensor is allocated with ``torch.zeros`` and registered through
     :class:`HostRegistration` (rather than ``pin_memory=True``) so that a
     fake driver can stand in and huge pools register in chunks. Use as a
     context manager, or call :meth:`close`; the tensor must not be used
@@ -163,7 +163,8 @@ class PinnedHostTensor:
                 "a pinned tensor needs num_rows > 0 and row_bytes > 0, "
                 f"got {num_rows} x {row_bytes}"
             )
-        self.tensor: torch.Tensor = torch.empty((num_rows, row_bytes), dtype=torch.int8)
+        # Zeroed, like the host backend's pool, so unwritten blocks read the same everywhere.
+        self.tensor: torch.Tensor = torch.zeros((num_rows, row_bytes), dtype=torch.int8)
         self.registration = HostRegistration(
             int(self.tensor.data_ptr()), num_rows * row_bytes, driver=driver, max_chunk=max_chunk
         )

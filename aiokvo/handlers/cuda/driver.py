@@ -140,8 +140,21 @@ def cuda_device_count() -> int:
     return int(count) if int(err) == _SUCCESS and count is not None else 0
 
 
+_drivers: dict[int, RuntimeDriver] = {}
+_drivers_lock = threading.Lock()
+
+
 def load_driver(device: int = 0) -> RuntimeDriver:
-    """The real driver for ``device``, or :class:`CudaUnavailableError` saying why not."""
+    """The real driver for ``device`` (one per process and device, so compiled
+    kernels are shared), or :class:`CudaUnavailableError` saying why not."""
+    with _drivers_lock:
+        existing = _drivers.get(device)
+        if existing is None:
+            existing = _drivers[device] = _load_driver(device)
+        return existing
+
+
+def _load_driver(device: int) -> RuntimeDriver:
     try:
         from cuda.bindings import runtime
     except ImportError as exc:
