@@ -374,12 +374,17 @@ def test_close_with_a_live_view_warns_and_keeps_the_memory_valid(iid: str) -> No
     del view
 
 
-def test_failed_creation_leaves_no_file(iid: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("free_blocks", [0, 1])
+def test_creation_in_a_full_tmpfs_fails_and_leaves_no_file(
+    iid: str, monkeypatch: pytest.MonkeyPatch, free_blocks: int
+) -> None:
     real = os.statvfs
 
     def tiny(path: Any) -> Any:
         st = real(path)
-        return types.SimpleNamespace(f_bavail=1, f_frsize=st.f_frsize)
+        return types.SimpleNamespace(
+            f_blocks=st.f_blocks, f_bavail=free_blocks, f_frsize=st.f_frsize
+        )
 
     monkeypatch.setattr(os, "statvfs", tiny)
     with pytest.raises(SharedRegionError, match="bytes free, too few"):

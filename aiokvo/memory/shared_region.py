@@ -481,7 +481,7 @@ class SharedOffloadRegion:
         """Fail now, with sizes, rather than with SIGBUS when a page is first touched."""
         vfs = os.statvfs(self._path.parent)
         free = vfs.f_bavail * vfs.f_frsize
-        if free and free < self._layout.file_bytes:
+        if vfs.f_blocks and free < self._layout.file_bytes:  # f_blocks 0: size unknown
             raise SharedRegionError(
                 f"{self._path.parent} has {free} bytes free, too few for a "
                 f"{self._layout.file_bytes}-byte region {self._path}"
