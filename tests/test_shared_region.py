@@ -178,12 +178,15 @@ def test_two_processes_share_interleaved_rows_then_killed_creator_is_replaced(ii
 # ----------------------------------------------------------------- stale files
 
 
-def test_dead_pid_in_header_is_replaced_and_old_creator_leaves_replacement(iid: str) -> None:
+@pytest.mark.parametrize("state", [shared_region._STATE_READY, shared_region._STATE_CREATING])
+def test_dead_pid_in_header_is_replaced_and_old_creator_leaves_replacement(
+    iid: str, state: int
+) -> None:
     mmap_path, lock_path = paths(iid)
     old = region(iid)
     old.create_next_view(16).fill_(7)
     dead_pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # can never exist
-    forge_header(mmap_path, owner_pid=dead_pid, generation=41)
+    forge_header(mmap_path, owner_pid=dead_pid, generation=41, state=state)
 
     new = region(iid)
     assert new.is_creator and new.generation == 42
