@@ -4,10 +4,11 @@ State is split so that the common case costs no per-block Python objects:
 
 * the policy maps key -> block id (one ``OrderedDict`` entry and one int);
 * ``_writing`` is the set of keys whose store is in flight (ref_cnt -1);
-* ``_pins`` counts pending loads per key (ref_cnt > 0);
-* a key in neither is ready and idle (ref_cnt 0).
+* ``_pinned`` is the set of keys with a pending load (ref_cnt > 0), and
+  ``_extra_pins`` counts the loads beyond the first (ref_cnt - 1 when >= 2);
+* a key in none of them is ready and idle (ref_cnt 0).
 
-``_writing`` and ``_pins`` only hold blocks that are in motion, so they stay
+``_writing`` and ``_pinned`` only hold blocks that are in motion, so they stay
 small, and "is this block evictable?" is two C-level membership tests. Each
 operation is one pass of ``map``/``filter``/``dict`` builtins over its keys.
 Decisions are exactly the seed's; see docs/manager.md.
@@ -15,9 +16,10 @@ Decisions are exactly the seed's; see docs/manager.md.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Collection, Container, Iterable, Sequence
-from itertools import filterfalse, islice
+from itertools import islice
+
+import numpy as np
 
 from aiokvo.errors import BlockNotReadyError, ConfigError, UnknownKeyError
 from aiokvo.keys import OffloadKey
@@ -27,6 +29,22 @@ from aiokvo.manager.policies.registry import resolve_policy
 from aiokvo.specs import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput, ReqContext
 
 __all__ = ["CPUOffloadingManager"]
+
+
+_NO_IDS = np.empty(0, dtype=np.int64)
+_NO_IDS.flags.writeable = False
+
+
+def _cpu_spec(block_ids: list[int]) -> CPULoadStoreSpec:
+    """A ``CPULoadStoreSpec`` for ids this manager allocated.
+
+    Skips the constructor's validation (a third of a request's cost): the
+    ids are non-negative ints by construction. The shared empty array is
+    read-only, so handing it to every empty spec is safe.
+    """
+    spec = CPULoadStoreSpec.__new__(CPULoadStoreSpec)
+    spec.block_ids = np.array(block_ids, dtype=np.int64) if block_ids else _NO_IDS
+    return spec
 
 
 def _as_sequence(keys: Iterable[OffloadKey]) -> Sequence[OffloadKey]:
@@ -58,7 +76,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy: CachePolicy = resolve_policy(cache_policy)(num_blocks)
         self._is_cached = self._policy.membership()
         self._writing: set[OffloadKey] = set()
-        self._pins: dict[OffloadKey, int] = {}
+        self._pinned: set[OffloadKey] = set()
+        self._extra_pins: dict[OffloadKey, int] = {}
         self._sink = EventSink(record=enable_events)
 
     # -- introspection ---------------------------------------------------------
@@ -86,8 +105,11 @@ class CPUOffloadingManager(OffloadingManager):
         block_id = self._policy.get(key)
         if block_id is None:
             return None
-        ref_cnt = WRITING if key in self._writing else self._pins.get(key, 0)
-        return BlockStatus(block_id, ref_cnt)
+        if key in self._writing:
+            return BlockStatus(block_id, WRITING)
+        if key in self._pinned:
+            return BlockStatus(block_id, 1 + self._extra_pins.get(key, 0))
+        return BlockStatus(block_id, 0)
 
     # -- lookups ---------------------------------------------------------------
 
@@ -121,16 +143,23 @@ class CPUOffloadingManager(OffloadingManager):
         writing = self._writing
         if writing and not writing.isdisjoint(keys):
             raise self._load_error(keys)
-        pins = self._pins
-        if pins.keys().isdisjoint(keys):
-            first_pins = dict.fromkeys(keys, 1)
-            if len(first_pins) == len(keys):
-                pins.update(first_pins)
-                return CPULoadStoreSpec(block_ids)
-        get = pins.get
+        pinned = self._pinned
+        if not self._extra_pins and pinned.isdisjoint(keys):
+            before = len(pinned)
+            pinned.update(keys)
+            if len(pinned) - before == len(keys):
+                return _cpu_spec(block_ids)
+            pinned.difference_update(keys)  # a key listed twice: count it properly
+        self._pin_slow(keys)
+        return _cpu_spec(block_ids)
+
+    def _pin_slow(self, keys: Iterable[OffloadKey]) -> None:
+        pinned, extra = self._pinned, self._extra_pins
         for key in keys:
-            pins[key] = get(key, 0) + 1
-        return CPULoadStoreSpec(block_ids)
+            if key in pinned:
+                extra[key] = extra.get(key, 0) + 1
+            else:
+                pinned.add(key)
 
     def _load_error(self, keys: Iterable[OffloadKey]) -> UnknownKeyError | BlockNotReadyError:
         for key in keys:
@@ -151,22 +180,22 @@ class CPUOffloadingManager(OffloadingManager):
         both cases before releasing anything.
         """
         keys = _as_sequence(keys)
-        pins = self._pins
-        counts = list(map(pins.get, keys))
-        if counts.count(1) == len(counts):  # each key pinned once: the usual case
-            try:
-                deque(map(pins.__delitem__, keys), maxlen=0)
+        pinned = self._pinned
+        if not self._extra_pins and pinned.issuperset(keys):  # the usual case
+            before = len(pinned)
+            pinned.difference_update(keys)
+            if before - len(pinned) == len(keys):
                 return
-            except KeyError:  # a key listed twice: undo, then report it
-                pins.update(dict.fromkeys(keys, 1))
-        self._complete_load_slow(keys)
+            pinned.update(keys)  # a key listed twice: undo, then report it
+        self._unpin_slow(keys)
 
-    def _complete_load_slow(self, keys: Sequence[OffloadKey]) -> None:
-        pins = self._pins
+    def _unpin_slow(self, keys: Sequence[OffloadKey]) -> None:
+        pinned, extra = self._pinned, self._extra_pins
         releases: dict[OffloadKey, int] = {}
         for key in keys:
             wanted = releases.get(key, 0) + 1
-            if pins.get(key, 0) < wanted:
+            held = 1 + extra.get(key, 0) if key in pinned else 0
+            if held < wanted:
                 if not self._is_cached(key):
                     raise UnknownKeyError(f"cannot complete load of key {key!r}: not offloaded")
                 raise BlockNotReadyError(
@@ -174,11 +203,11 @@ class CPUOffloadingManager(OffloadingManager):
                 )
             releases[key] = wanted
         for key, released in releases.items():
-            left = pins[key] - released
-            if left:
-                pins[key] = left
-            else:
-                del pins[key]
+            left = 1 + extra.pop(key, 0) - released
+            if left == 0:
+                pinned.discard(key)
+            elif left > 1:
+                extra[key] = left - 1
 
     # -- stores ----------------------------------------------------------------
 
@@ -187,9 +216,9 @@ class CPUOffloadingManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         keys = _as_sequence(keys)
         # Keys already held are skipped; a key listed twice is stored once.
-        new_keys = list(dict.fromkeys(filterfalse(self._is_cached, keys)))
+        new_keys = self._policy.uncached(keys)
         if not new_keys:
-            return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
+            return PrepareStoreOutput([], _cpu_spec([]), [])
 
         shortfall = len(new_keys) - self.num_free_blocks
         evicted_keys: list[OffloadKey] = []
@@ -198,8 +227,8 @@ class CPUOffloadingManager(OffloadingManager):
             exclude: list[Container[OffloadKey]] = [set(keys)]
             if self._writing:
                 exclude.append(self._writing)
-            if self._pins:
-                exclude.append(self._pins)
+            if self._pinned:
+                exclude.append(self._pinned)
             evicted = self._policy.evict(shortfall, exclude)
             if evicted is None:
                 return None
@@ -211,7 +240,7 @@ class CPUOffloadingManager(OffloadingManager):
         block_ids = self._allocate(len(new_keys))
         self._policy.insert(new_keys, block_ids)
         self._writing.update(new_keys)
-        return PrepareStoreOutput(new_keys, CPULoadStoreSpec(block_ids), evicted_keys)
+        return PrepareStoreOutput(new_keys, _cpu_spec(block_ids), evicted_keys)
 
     def _allocate(self, count: int) -> list[int]:
         fresh = min(count, self._num_blocks - self._num_allocated)

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Container, Iterable, Iterator, Sequence
-from itertools import islice, repeat, takewhile
-from operator import or_
+from itertools import islice, repeat
 
 from aiokvo.keys import OffloadKey
 from aiokvo.manager.policies.base import CachePolicy, Evicted
@@ -51,16 +50,22 @@ class ARCCachePolicy(CachePolicy):
         return iter([*self.t1.items(), *self.t2.items()])
 
     def block_ids(self, keys: Sequence[OffloadKey]) -> list[int]:
-        ids: list[int | None] = list(map(self.t1.get, keys, map(self.t2.get, keys)))
-        if None in ids:
-            raise KeyError(keys[ids.index(None)])
-        return ids  # type: ignore[return-value]  # no None left
+        # Plain loops beat chains of map/filter here: two dicts per key.
+        t1, t2 = self.t1, self.t2
+        return [t1[key] if key in t1 else t2[key] for key in keys]
+
+    def uncached(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        t1, t2 = self.t1, self.t2
+        return [key for key in dict.fromkeys(keys) if key not in t1 and key not in t2]
 
     def prefix_len(self, keys: Iterable[OffloadKey]) -> int:
-        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
-        in_t1 = map(self.t1.__contains__, keys)
-        in_t2 = map(self.t2.__contains__, keys)
-        return len(list(takewhile(bool, map(or_, in_t1, in_t2))))
+        t1, t2 = self.t1, self.t2
+        hits = 0
+        for key in keys:
+            if key not in t1 and key not in t2:
+                break
+            hits += 1
+        return hits
 
     def insert(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
         self.t1.update(zip(keys, block_ids, strict=True))
@@ -75,35 +80,18 @@ class ARCCachePolicy(CachePolicy):
                 self.t2.pop(key, None)
 
     def touch(self, keys: Sequence[OffloadKey], writing: Container[OffloadKey]) -> None:
-        t1, t2 = self.t1, self.t2
-        newest_first = list(reversed(keys))
-        # T moves and ghost hits never touch the same key (T and B are
-        # disjoint) nor each other's state, so they can run as two passes.
-        from_t1 = list(filter(t1.__contains__, newest_first))
-        if from_t1:
-            promoted = from_t1
-            if writing:
-                # A block still being written has not been *re*-used: it
-                # stays in T1, refreshed to the most recent end.
-                staying = [key for key in from_t1 if key in writing]
-                if staying:
-                    deque(map(t1.move_to_end, staying), maxlen=0)
-                    promoted = [key for key in from_t1 if key not in writing]
-            once = list(dict.fromkeys(promoted))
-            t2.update(zip(once, map(t1.pop, once), strict=True))
-        # Every key now in T2 goes to its MRU end in processing order, which
-        # also orders the keys just promoted exactly as one-by-one moves would.
-        deque(map(t2.move_to_end, filter(t2.__contains__, newest_first)), maxlen=0)
-        b1, b2 = self.b1, self.b2
-        if (b1 and not b1.keys().isdisjoint(newest_first)) or (
-            b2 and not b2.keys().isdisjoint(newest_first)
-        ):
-            self._learn_from_ghosts(newest_first)
-
-    def _learn_from_ghosts(self, newest_first: list[OffloadKey]) -> None:
-        b1, b2 = self.b1, self.b2
-        for key in newest_first:
-            if key in b1:
+        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        move_t2 = t2.move_to_end
+        for key in reversed(keys):
+            if key in t2:
+                move_t2(key)
+            elif key in t1:
+                if key in writing:
+                    # Still being written: not a second use, only refreshed.
+                    t1.move_to_end(key)
+                else:
+                    t2[key] = t1.pop(key)  # second use: promote to "frequent"
+            elif key in b1:
                 step = max(1, len(b2) / len(b1))
                 self.target_t1_size = min(self.target_t1_size + step, self.cache_capacity)
                 b1.move_to_end(key)

@@ -129,6 +129,10 @@ class CachePolicy(ABC):
             ids.append(block_id)
         return ids
 
+    def uncached(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """The ``keys`` not cached, in order, each once (what a store must add)."""
+        return [key for key in dict.fromkeys(keys) if key not in self]
+
     def prefix_len(self, keys: Iterable[OffloadKey]) -> int:
         """How many leading ``keys`` are cached (ready or not)."""
         return sum(1 for _ in takewhile(self.__contains__, keys))

@@ -58,6 +58,9 @@ class LRUCachePolicy(CachePolicy):
     def block_ids(self, keys: Sequence[OffloadKey]) -> list[int]:
         return list(map(self._blocks.__getitem__, keys))
 
+    def uncached(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        return list(dict.fromkeys(filterfalse(self._blocks.__contains__, keys)))
+
     def prefix_len(self, keys: Iterable[OffloadKey]) -> int:
         return len(list(takewhile(self._blocks.__contains__, keys)))
 

@@ -1,0 +1,310 @@
+"""Manager hot-path benchmark: aiokvo's CPUOffloadingManager vs vLLM's, same trace.
+
+The trace (issue 3): sequences of 64 block keys (32-byte hash + group 0)
+forming a prefix tree. Each new sequence copies the first 0..63 blocks of a
+random earlier one and fills the rest with new blocks, until the universe
+holds 4x the capacity. Requests pick a sequence with Zipf(1.0) popularity
+over a shuffled rank order. Everything is seeded; ``--save``/``--load`` keep
+it in an ``.npz`` so another implementation replays the very same requests.
+
+Each request: look keys up in order until the first miss (measured both as
+a ``lookup`` loop and as one ``lookup_prefix`` call), ``prepare_load`` and
+``complete_load`` the hits, ``prepare_store`` the rest, ``touch`` all 64
+keys, ``complete_store`` what was stored.
+
+Reported: requests/s, µs/request, block hit rate, bytes per cached block
+(tracemalloc while filling to capacity, key objects excluded), and the
+µs/request ratio between capacity 1M and 10k. ``--peer`` runs vLLM 0.32 on
+the same ``.npz`` with the peer's Python, side by side, and prints ratios.
+
+    python benchmarks/bench_manager.py                       # aiokvo only
+    python benchmarks/bench_manager.py --peer .vllm-peer/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from aiokvo.manager.cpu import CPUOffloadingManager
+from aiokvo.specs import ReqContext
+
+SEQ_LEN = 64
+HASH_BYTES = 32
+GROUP0 = b"\x00\x00\x00\x00"
+PEER_SCRIPT = Path(__file__).with_name("_peer_replay.py")
+
+
+# -- the trace -------------------------------------------------------------------
+
+
+@dataclass
+class Trace:
+    """``sequences[i]`` are indices into ``hashes``; ``requests`` index sequences."""
+
+    capacity: int
+    hashes: npt.NDArray[np.uint8]  # (universe, 32)
+    sequences: npt.NDArray[np.int32]  # (num_sequences, 64)
+    requests: npt.NDArray[np.int32]  # (num_requests,)
+
+    @classmethod
+    def generate(cls, capacity: int, num_requests: int, seed: int) -> Trace:
+        rng = np.random.default_rng(seed)
+        universe = 4 * capacity
+        rows: list[npt.NDArray[np.int32]] = []
+        used = 0
+        while used < universe:
+            shared = int(rng.integers(0, SEQ_LEN)) if rows else 0
+            shared = max(shared, SEQ_LEN - (universe - used))  # never overshoot
+            row = np.empty(SEQ_LEN, dtype=np.int32)
+            if shared:
+                parent = rows[int(rng.integers(0, len(rows)))]
+                row[:shared] = parent[:shared]
+            fresh = SEQ_LEN - shared
+            row[shared:] = np.arange(used, used + fresh, dtype=np.int32)
+            used += fresh
+            rows.append(row)
+        sequences = np.stack(rows)
+        ranks = np.arange(1, len(rows) + 1, dtype=np.float64)
+        popularity = 1.0 / ranks  # Zipf(1.0)
+        popularity /= popularity.sum()
+        order = rng.permutation(len(rows)).astype(np.int32)  # rank -> sequence
+        picks = rng.choice(len(rows), size=num_requests, p=popularity)
+        hashes = rng.integers(0, 256, size=(universe, HASH_BYTES), dtype=np.uint8)
+        return cls(capacity, hashes, sequences, order[picks])
+
+    def save(self, path: str) -> None:
+        np.savez(
+            path, capacity=self.capacity, hashes=self.hashes,
+            sequences=self.sequences, requests=self.requests,
+        )
+
+    @classmethod
+    def load(cls, path: str) -> Trace:
+        data = np.load(path)
+        return cls(int(data["capacity"]), data["hashes"], data["sequences"], data["requests"])
+
+    def key_lists(self) -> list[list[bytes]]:
+        """One list of key objects per sequence; shared prefixes share objects."""
+        keys = [bytes(row) + GROUP0 for row in self.hashes]
+        return [[keys[i] for i in row] for row in self.sequences.tolist()]
+
+
+# -- replay ----------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    req_per_s: float
+    us_per_req: float
+    hit_rate: float
+
+
+def replay(
+    manager: CPUOffloadingManager, sequences: list[list[bytes]], requests: list[int],
+    prefix: bool,
+) -> Result:
+    ctx = ReqContext()
+    lookup, lookup_prefix = manager.lookup, manager.lookup_prefix
+    prepare_load, complete_load = manager.prepare_load, manager.complete_load
+    prepare_store, complete_store = manager.prepare_store, manager.complete_store
+    touch = manager.touch
+    hits_total = 0
+    gc.collect()
+    start = time.perf_counter()
+    for seq_idx in requests:
+        keys = sequences[seq_idx]
+        if prefix:
+            hits = lookup_prefix(keys, ctx) or 0
+        else:
+            hits = 0
+            for key in keys:
+                if lookup(key, ctx) is not True:
+                    break
+                hits += 1
+        if hits:
+            loaded = keys[:hits]
+            prepare_load(loaded, ctx)
+            complete_load(loaded)
+        out = prepare_store(keys[hits:], ctx)
+        touch(keys)
+        if out is not None and out.keys_to_store:
+            complete_store(out.keys_to_store)
+        hits_total += hits
+    elapsed = time.perf_counter() - start
+    return Result(
+        len(requests) / elapsed, elapsed / len(requests) * 1e6,
+        hits_total / (len(requests) * SEQ_LEN),
+    )
+
+
+def fill(manager: CPUOffloadingManager, keys: list[bytes]) -> None:
+    ctx = ReqContext()
+    for i in range(0, len(keys), SEQ_LEN):
+        out = manager.prepare_store(keys[i : i + SEQ_LEN], ctx)
+        assert out is not None
+        manager.complete_store(out.keys_to_store)
+
+
+def bytes_per_block(capacity: int, policy: str) -> float:
+    """tracemalloc growth per block while filling an empty manager to capacity."""
+    keys = [i.to_bytes(HASH_BYTES, "big") + GROUP0 for i in range(capacity)]
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    manager = CPUOffloadingManager(capacity, policy)
+    fill(manager, keys)
+    gc.collect()
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert len(manager) == capacity
+    return (after - before) / capacity
+
+
+def scale_point(capacity: int, num_requests: int, policy: str, seed: int) -> Result:
+    """µs/request on a full manager of ``capacity`` blocks (prefix lookups)."""
+    trace = Trace.generate(capacity, num_requests, seed)
+    sequences = trace.key_lists()
+    manager = CPUOffloadingManager(capacity, policy)
+    filler = [(1 << 255 | i).to_bytes(HASH_BYTES, "big") + GROUP0 for i in range(capacity)]
+    fill(manager, filler)  # start full so every request pays for evictions
+    del filler
+    return replay(manager, sequences, trace.requests.tolist(), prefix=True)
+
+
+# -- the peer --------------------------------------------------------------------
+
+
+def run_peer(python: str, trace_path: str, policies: list[str], lifecycle: bool,
+             memory: bool) -> dict[str, dict[str, float]]:
+    cmd = [python, str(PEER_SCRIPT), trace_path]
+    for policy in policies:
+        cmd += ["--policy", policy]
+    if lifecycle:
+        cmd.append("--lifecycle")
+    if memory:
+        cmd.append("--memory")
+    proc = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            results[row.pop("policy")] = row
+    return results
+
+
+# -- main ------------------------------------------------------------------------
+
+
+def best_of(repeat: int, run: Callable[[], Result]) -> Result:
+    return max((run() for _ in range(repeat)), key=lambda r: r.req_per_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=200_000)
+    parser.add_argument("--capacity", type=int, default=10_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", default="lru,arc")
+    parser.add_argument("--save", help="write the trace to this .npz")
+    parser.add_argument("--load", help="replay this .npz instead of generating")
+    parser.add_argument("--peer", metavar="PYTHON",
+                        help="also replay on vLLM with this interpreter (.vllm-peer/bin/python)")
+    parser.add_argument("--repeat", type=int, default=1, help="best of N timed runs")
+    parser.add_argument("--scale-capacity", type=int, default=1_000_000)
+    parser.add_argument("--scale-requests", type=int, default=20_000)
+    parser.add_argument("--no-scale", action="store_true")
+    parser.add_argument("--no-memory", action="store_true")
+    args = parser.parse_args(argv)
+    policies = args.policies.split(",")
+
+    print(f"# bench_manager  python {platform.python_version()}  nproc {os.cpu_count()}  "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    t0 = time.perf_counter()
+    trace = Trace.load(args.load) if args.load else Trace.generate(
+        args.capacity, args.requests, args.seed)
+    if args.save:
+        trace.save(args.save)
+    sequences = trace.key_lists()
+    requests = trace.requests.tolist()
+    print(f"# trace: capacity {trace.capacity}, universe {len(trace.hashes)} blocks, "
+          f"{len(trace.sequences)} sequences, {len(requests)} requests "
+          f"(built in {time.perf_counter() - t0:.1f}s)")
+
+    ours: dict[str, dict[str, Result]] = {}
+    memory: dict[str, float] = {}
+    for policy in policies:
+        ours[policy] = {}
+        for mode in ("loop", "prefix"):
+            ours[policy][mode] = best_of(args.repeat, lambda: replay(
+                CPUOffloadingManager(trace.capacity, policy), sequences, requests,
+                prefix=(mode == "prefix")))
+        if not args.no_memory:
+            memory[policy] = bytes_per_block(trace.capacity, policy)
+
+    peer: dict[str, dict[str, dict[str, float]]] = {}
+    if args.peer:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = args.save or args.load or os.path.join(tmp, "trace.npz")
+            if not (args.save or args.load):
+                trace.save(path)
+            peer["bare"] = run_peer(args.peer, path, policies, False, not args.no_memory)
+            peer["lifecycle"] = run_peer(args.peer, path, policies, True, False)
+
+    print()
+    print("| impl | policy | lookups | req/s | µs/req | hit rate | bytes/block |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for policy in policies:
+        for mode in ("loop", "prefix"):
+            r = ours[policy][mode]
+            mem = f"{memory[policy]:.1f}" if policy in memory else "-"
+            print(f"| aiokvo | {policy} | {mode} | {r.req_per_s:,.0f} | {r.us_per_req:.2f} | "
+                  f"{r.hit_rate:.4f} | {mem} |")
+        for variant, rows in peer.items():
+            p = rows[policy]
+            mem = f"{p['bytes_per_block']:.1f}" if "bytes_per_block" in p else "-"
+            print(f"| vLLM 0.32 ({variant}) | {policy} | loop | {p['req_per_s']:,.0f} | "
+                  f"{p['us_per_req']:.2f} | {p['hit_rate']:.4f} | {mem} |")
+    if peer:
+        print()
+        print("Speed-up (aiokvo req/s ÷ vLLM req/s, vLLM bare = its fastest form):")
+        for policy in policies:
+            base = peer["bare"][policy]["req_per_s"]
+            full = peer["lifecycle"][policy]["req_per_s"]
+            for mode in ("loop", "prefix"):
+                r = ours[policy][mode].req_per_s
+                print(f"  {policy} {mode:6s}: {r / base:5.2f}x vs bare, {r / full:5.2f}x "
+                      f"vs lifecycle; hit rate {ours[policy][mode].hit_rate:.4f} vs "
+                      f"{peer['bare'][policy]['hit_rate']:.4f} (bare) / "
+                      f"{peer['lifecycle'][policy]['hit_rate']:.4f} (lifecycle)")
+
+    if not args.no_scale:
+        print()
+        print(f"Scale: µs/req (prefix lookups) on a full manager, {args.scale_requests} "
+              f"requests, capacity {args.capacity} vs {args.scale_capacity}:")
+        for policy in policies:
+            small = scale_point(args.capacity, args.scale_requests, policy, args.seed)
+            large = scale_point(args.scale_capacity, args.scale_requests, policy, args.seed)
+            print(f"  {policy}: {small.us_per_req:.2f} µs (hit {small.hit_rate:.3f}) -> "
+                  f"{large.us_per_req:.2f} µs (hit {large.hit_rate:.3f}): "
+                  f"ratio {large.us_per_req / small.us_per_req:.2f}")
+    print(f"\n# total {time.perf_counter() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
