@@ -248,3 +248,18 @@ async def test_memcpy_loop_fallback_round_trip(loop_driver: RuntimeDriver) -> No
         assert result.success, result.error
         for layer, cpu in zip(kv, pair.cpu_tensors, strict=True):
             assert torch.equal(cpu[[3, 0]], rows(layer)[[6, 1]].cpu())
+
+
+async def test_the_generic_pair_factory_picks_cuda_for_cuda_tensors() -> None:
+    from aiokvo.handlers.pair import make_cpu_gpu_handlers
+
+    kv = random_kv(2, 8, (16, 8, 16))
+    caches = CanonicalKVCaches.from_block_tensors([kv])
+    async with make_cpu_gpu_handlers(caches, block_size_factor=1, num_cpu_blocks=4) as pair:
+        assert isinstance(pair.gpu_to_cpu, CudaOffloadingHandler)
+        assert isinstance(pair.cpu_to_gpu, CudaOffloadingHandler)
+        result = await pair.gpu_to_cpu.transfer_async(
+            1, (GPULoadStoreSpec([7], [1], [0]), CPULoadStoreSpec([3]))
+        )
+        assert result.success, result.error
+        assert torch.equal(pair.cpu_tensors[1][3], rows(kv[1])[7].cpu())
