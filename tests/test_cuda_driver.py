@@ -164,6 +164,19 @@ def test_batch_copy_falls_back_to_a_loop_where_unsupported() -> None:
     assert stub.calls[1][1] == (1, 3, 5, kind, 7)
 
 
+def test_batch_copy_falls_back_when_the_binding_signature_differs() -> None:
+    def other_signature(*args: Any) -> Any:
+        raise TypeError(f"takes 9 positional arguments but {len(args)} were given")
+
+    stub = StubRuntime(
+        cudaMemcpyBatchAsync=other_signature, cudaMemcpyAsync=lambda *a: (Err.cudaSuccess,)
+    )
+    drv = driver_over(stub)
+    drv.memcpy_batch_async([1], [2], [3], 7, src_in_stream_order=True)
+    assert [name for name, _ in stub.calls] == ["cudaMemcpyBatchAsync", "cudaMemcpyAsync"]
+    assert not drv.has_memcpy_batch()
+
+
 def test_loop_path_is_used_when_batching_is_absent() -> None:
     stub = StubRuntime(cudaMemcpyAsync=lambda *a: (Err.cudaSuccess,))
     drv = driver_over(stub, batch=False)

@@ -435,11 +435,11 @@ def test_host_registration_registers_in_chunks_and_unregisters(fake: FakeDriver)
 
 
 def test_host_registration_undoes_partial_work_on_failure(fake: FakeDriver) -> None:
-    fake.host_register(0x12000, 16)  # someone else already pinned part of chunk 3
+    fake.host_register(0x12010, 16)  # someone else already pinned a page of chunk 3
     reg = HostRegistration(0x10000, 10_000, driver=fake, max_chunk=4096)
     with pytest.raises(CudaError, match="cudaErrorHostMemoryAlreadyRegistered"):
         reg.register()
-    assert fake.registered == {0x12000: 16}
+    assert fake.registered == {0x12010: 16}
     assert not reg.registered
 
 
@@ -454,9 +454,13 @@ def test_host_registration_rejects_bad_arguments(fake: FakeDriver) -> None:
 
 
 def test_pinned_host_tensor_owns_its_registration(fake: FakeDriver) -> None:
-    with PinnedHostTensor(4, 64, driver=fake) as pinned:
+    with PinnedHostTensor(4, 64, driver=fake) as pinned, PinnedHostTensor(3, 8, driver=fake):
+        # small pools get pages of their own, so each can be registered
         assert pinned.tensor.shape == (4, 64) and pinned.tensor.dtype == torch.int8
-        assert fake.registered == {pinned.tensor.data_ptr(): 256}
+        assert not pinned.tensor.any()
+        assert pinned.tensor.data_ptr() % 4096 == 0
+        assert fake.registered[pinned.tensor.data_ptr()] == 4096
+        assert len(fake.registered) == 2
         assert not pinned.closed
     assert pinned.closed and fake.registered == {}
 

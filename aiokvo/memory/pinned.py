@@ -15,6 +15,7 @@ owns its registration.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
 
@@ -139,11 +140,13 @@ class HostRegistration:
 
 
 class PinnedHostTensor:
-    """A ``(num_rows, row_bytes)`` int8 CPU tensor pinned for its lifetime.
+    """A zeroed ``(num_rows, row_bytes)`` int8 CPU tensor pinned for its lifetime.
 
-    The tensor is allocated with ``torch.zeros`` and registered through
+    The memory is an anonymous mmap, registered through
     :class:`HostRegistration` (rather than ``pin_memory=True``) so that a
-    fake driver can stand in and huge pools register in chunks. Use as a
+    fake driver can stand in and huge pools register in chunks. An mmap of
+    its own matters: ``cudaHostRegister`` pins whole pages, and two heap
+    allocations sharing a page could not both be registered. Use as a
     context manager, or call :meth:`close`; the tensor must not be used
     for copies after that.
     """
@@ -156,6 +159,8 @@ class PinnedHostTensor:
         driver: CudaDriver | None = None,
         max_chunk: int = DEFAULT_MAX_CHUNK,
     ) -> None:
+        import mmap
+
         import torch
 
         if num_rows <= 0 or row_bytes <= 0:
@@ -163,10 +168,15 @@ class PinnedHostTensor:
                 "a pinned tensor needs num_rows > 0 and row_bytes > 0, "
                 f"got {num_rows} x {row_bytes}"
             )
-        # Zeroed, like the host backend's pool, so unwritten blocks read the same everywhere.
-        self.tensor: torch.Tensor = torch.zeros((num_rows, row_bytes), dtype=torch.int8)
+        nbytes = num_rows * row_bytes
+        mapped = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        self._mmap = mmap.mmap(-1, mapped)  # anonymous: page-aligned and zero-filled
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": it is
+            flat = torch.frombuffer(self._mmap, dtype=torch.int8)
+        self.tensor: torch.Tensor = flat[:nbytes].view(num_rows, row_bytes)
         self.registration = HostRegistration(
-            int(self.tensor.data_ptr()), num_rows * row_bytes, driver=driver, max_chunk=max_chunk
+            int(self.tensor.data_ptr()), mapped, driver=driver, max_chunk=max_chunk
         )
         self.registration.register()
 

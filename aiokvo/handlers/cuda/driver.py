@@ -341,14 +341,17 @@ class RuntimeDriver:
         if self._batch_ok:
             attrs = self._attrs(src_in_stream_order)
             # 12.x returns (status, failIdx); 13.x returns (status,): _check takes both.
-            result = self._rt.cudaMemcpyBatchAsync(
-                list(dsts), list(srcs), list(sizes), count, [attrs], [0], 1, stream
-            )
+            try:
+                result = self._rt.cudaMemcpyBatchAsync(
+                    list(dsts), list(srcs), list(sizes), count, [attrs], [0], 1, stream
+                )
+            except TypeError:  # a binding whose signature differs: nothing was enqueued
+                result = (_NOT_SUPPORTED,)
             status = int(result[0])
             if status not in (_NOT_SUPPORTED, _NEWER_DRIVER):
                 self._check("cudaMemcpyBatchAsync", result)
                 return
-            self._batch_ok = False  # this driver/device lacks it: loop from now on
+            self._batch_ok = False  # this driver/binding lacks it: loop from now on
         for dst, src, nbytes in zip(dsts, srcs, sizes, strict=True):
             self.memcpy_async(int(dst), int(src), int(nbytes), stream)
 

@@ -38,6 +38,17 @@ _ERROR_CODES = {
 }
 
 
+_PAGE = 4096
+
+
+def _page_floor(address: int) -> int:
+    return address - address % _PAGE
+
+
+def _page_ceil(address: int) -> int:
+    return -(-address // _PAGE) * _PAGE
+
+
 @dataclass(frozen=True, slots=True)
 class FakeKernel:
     """What :meth:`FakeDriver.compile_kernel` returns: a named host routine."""
@@ -336,8 +347,10 @@ class FakeDriver:
 
     def host_register(self, ptr: int, nbytes: int) -> None:
         self._enter("host_register")
+        # CUDA pins whole pages: ranges that share a page collide.
+        lo, hi = _page_floor(ptr), _page_ceil(ptr + nbytes)
         for base, size in self._registered.items():
-            if ptr < base + size and base < ptr + nbytes:
+            if lo < _page_ceil(base + size) and _page_floor(base) < hi:
                 raise CudaError("cudaHostRegister", "cudaErrorHostMemoryAlreadyRegistered", 712)
         self._registered[ptr] = nbytes
 
