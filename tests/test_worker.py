@@ -70,9 +70,9 @@ async def test_routes_by_media_and_merges_results_in_completion_order() -> None:
         assert (await load_task).transfer_type == ("CPU", "GPU")
         store.sources[1].set()
         assert (await store_task).transfer_type == ("GPU", "CPU")
+        assert store.get_finished_nowait() == [] == load.get_finished_nowait()
         merged = worker.get_finished_nowait()
         assert [r.job_id for r in merged] == [2, 1]
-        assert store.get_finished_nowait() == [] == load.get_finished_nowait()
 
 
 async def test_async_stream_merges_all_handlers_and_ends_on_close() -> None:
@@ -189,3 +189,18 @@ async def test_one_handler_may_serve_several_routes() -> None:
         await worker.wait(range(10))
     assert [r.job_id for r in worker.get_finished_nowait()] == [6, 7, 8, 9]
     assert worker.dropped_results == 6
+
+
+async def test_results_buffered_before_registration_move_to_the_worker() -> None:
+    handler = RecordingHandler("GPU", "CPU")
+    early = handler.transfer_async(1, STORE)
+    handler.sources[1].set()
+    await early
+    worker = OffloadingWorker()
+    worker.register_handler(GPULoadStoreSpec, CPULoadStoreSpec, handler)
+    async with worker:
+        late = worker.transfer_async(2, STORE)
+        handler.sources[2].set()
+        await late
+        assert handler.get_finished_nowait() == []
+        assert [r.job_id for r in worker.get_finished_nowait()] == [1, 2]

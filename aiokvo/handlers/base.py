@@ -45,7 +45,7 @@ class OffloadingHandler(ABC):
 
     def __init__(self, *, max_buffered: int = DEFAULT_MAX_BUFFERED) -> None:
         self._results = ResultQueue(max_buffered)
-        self._owns_results = True
+        self._sink = self._results  # where _report puts results (a worker may redirect it)
 
     @abstractmethod
     def transfer_async(self, job_id: int, spec: TransferSpec) -> TransferTask:
@@ -98,15 +98,18 @@ class OffloadingHandler(ABC):
         await self.aclose()
 
     def _report(self, result: TransferResult) -> None:
-        """Publish one finished result to :meth:`get_finished`."""
-        self._results.put(result)
+        """Publish one finished result to :meth:`get_finished` (or the worker's stream)."""
+        self._sink.put(result)
 
     def _share_results(self, queue: ResultQueue) -> None:
-        """Send results to ``queue`` from now on (a worker merging handlers)."""
+        """Send results to ``queue`` from now on (a worker merging handlers).
+
+        Results already buffered move along, so none is reported twice or lost;
+        this handler's own stream stays empty from then on.
+        """
         for result in self._results.take_all():
             queue.put(result)
-        self._results = queue
-        self._owns_results = False
+        self._sink = queue
 
 
 @dataclass(slots=True)
@@ -316,5 +319,4 @@ class SingleDirectionHandler(OffloadingHandler):
             await self._close_backend()
         finally:
             self._closed = True
-            if self._owns_results:
-                self._results.close()
+            self._results.close()
