@@ -292,9 +292,10 @@ def markdown(rows: list[Row], latency: dict[str, dict[str, float]], meta: dict[s
         lines += ["", "| poller mode | event->coroutine p50 (us) | p99 (us) |", "|---|---:|---:|"]
         for mode, stats in latency.items():
             lines.append(f"| {mode} | {stats['p50_us']:.1f} | {stats['p99_us']:.1f} |")
-    lines += ["", "GB/s: from CUDA timing events around the copies (device time); wall GB/s: "
-              "submit to resumed coroutine. Ceiling: one contiguous pinned cudaMemcpyAsync of "
-              "the same bytes, measured in the same run."]
+    timing = ("host wall time of memmoves on fake streams (FAKE: says nothing about GPUs)"
+              if meta["fake"] else "CUDA timing events around the copies (device time)")
+    lines += ["", f"GB/s: {timing}; wall GB/s: submit to resumed coroutine. Ceiling: one "
+              "contiguous pinned cudaMemcpyAsync of the same bytes, measured in the same run."]
     return "\n".join(lines) + "\n"
 
 
