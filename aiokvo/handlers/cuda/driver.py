@@ -8,8 +8,10 @@ name and its number. ``cuda.bindings`` and ``cuda.core`` are imported
 lazily, so importing this module never needs a GPU or even cuda-python.
 
 Both the CUDA 12.x and 13.x bindings are handled: they differ in what
-``cudaMemcpyBatchAsync`` returns (12.x also returns the failing index) and
-``cuda.core`` moved out of ``cuda.core.experimental`` in 0.4.
+``cudaMemcpyBatchAsync`` returns (12.x also returns the failing index).
+``cuda.core`` >= 0.2 is needed for the copy kernel (``launch(stream, config,
+kernel, *args)`` and ``ProgramOptions``); it is found in ``cuda.core`` or, in
+older releases, ``cuda.core.experimental``.
 """
 
 from __future__ import annotations
@@ -395,7 +397,8 @@ class RuntimeDriver:
     def _wrap_stream(self, core: Any, stream: int) -> Any:
         wrapper = self._stream_wrappers.get(stream)
         if wrapper is None:
-            wrapper = core.Stream.from_handle(stream)
+            from_handle = getattr(core.Stream, "from_handle", None)
+            wrapper = from_handle(stream) if from_handle is not None else _ForeignStream(stream)
             self._stream_wrappers[stream] = wrapper
         return wrapper
 
@@ -411,6 +414,16 @@ class RuntimeDriver:
             core.launch(self._wrap_stream(core, stream), config, kernel, *params)
         except Exception as exc:
             raise CudaError("cuLaunchKernel", type(exc).__name__, -1, str(exc)) from exc
+
+
+class _ForeignStream:
+    """A raw stream handle in the ``__cuda_stream__`` protocol (cuda.core >= 0.2)."""
+
+    def __init__(self, handle: int) -> None:
+        self._handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self._handle)
 
 
 def _import_cuda_core() -> Any:
