@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from aiokvo.errors import CudaUnavailableError, HandlerClosedError, LayoutError, TransferSpecError
+from aiokvo.errors import (
+    ConfigError,
+    CudaUnavailableError,
+    HandlerClosedError,
+    LayoutError,
+    TransferSpecError,
+)
 from aiokvo.handlers.host import HostCopy, HostOffloadingHandler, apply_host_copies
 from aiokvo.handlers.pair import CpuGpuHandlers, make_cpu_gpu_handlers
 from aiokvo.keys import make_offload_key
@@ -260,7 +266,7 @@ async def test_aclose_waits_for_copies_in_flight() -> None:
         assert _page(handlers.cpu_tensors[0], j, 0, page) == _gpu_row(caches, 0, j)
     assert store.in_flight == 0
     assert isinstance(store, HostOffloadingHandler)
-    assert store._pool._shutdown  # the worker thread was released
+    assert store._dispatch._shutdown  # the worker thread was released
 
 
 async def test_cancelled_wait_still_reports_the_copy() -> None:
@@ -292,15 +298,82 @@ async def _await(task: object) -> object:
     return await task  # type: ignore[misc]
 
 
-def test_apply_host_copies_uses_slices_for_runs() -> None:
-    src = torch.arange(40, dtype=torch.int8).view(10, 4)
-    dst = torch.zeros(6, 4, dtype=torch.int8)
-    copy = HostCopy(src, dst, torch.tensor([2, 3, 4]), torch.tensor([5, 0, 1]), 2, None)
+@pytest.mark.parametrize(
+    ("src_rows", "dst_rows", "src_start", "dst_start"),
+    [
+        ([2, 3, 4], [5, 0, 1], 2, None),  # source is a run: one pass from a slice
+        ([9, 0, 4], [2, 3, 4], None, 2),  # destination is a run: take into a slice
+        ([2, 3, 4], [1, 2, 3], 2, 1),  # both runs: a slice assignment
+        ([9, 0, 4], [5, 0, 3], None, None),  # scattered on both sides
+    ],
+)
+def test_apply_host_copies_moves_whole_pages(
+    src_rows: list[int], dst_rows: list[int], src_start: int | None, dst_start: int | None
+) -> None:
+    page = np.dtype((np.void, 4))
+    src = np.arange(40, dtype=np.int8).reshape(10, 4)
+    dst = np.zeros((6, 4), dtype=np.int8)
+    copy = HostCopy(
+        src.view(page).reshape(-1),
+        dst.view(page).reshape(-1),
+        np.array(src_rows),
+        np.array(dst_rows),
+        src_start,
+        dst_start,
+    )
     apply_host_copies([copy])
-    assert dst[5].tolist() == src[2].tolist() and dst[1].tolist() == src[4].tolist()
-    copy = HostCopy(src, dst, torch.tensor([9, 0]), torch.tensor([2, 3]), None, 2)
-    apply_host_copies([copy])
-    assert dst[2].tolist() == src[9].tolist() and dst[3].tolist() == src[0].tolist()
+    for s_row, d_row in zip(src_rows, dst_rows, strict=True):
+        assert dst[d_row].tolist() == src[s_row].tolist()
+    untouched = sorted(set(range(6)) - set(dst_rows))
+    assert not dst[untouched].any()
+    assert copy.nbytes == 12
+
+
+async def test_copy_threads_split_a_transfer_and_stay_exact() -> None:
+    _, caches = _kv_caches("kv_first", [3, 2])
+    spec_gpu = GPULoadStoreSpec([0, 5, 9, 11, 2, 3], [4, 2], [0, 0])
+    spec_cpu = CPULoadStoreSpec([7, 1, 4, 0, 2, 3])
+    for threads in (1, 3):
+        handlers = make_cpu_gpu_handlers(
+            caches, block_size_factor=1, num_cpu_blocks=8, copy_threads=threads
+        )
+        async with handlers:
+            result = await handlers.gpu_to_cpu.transfer_async(1, (spec_gpu, spec_cpu))
+            assert result.success
+            for g, pages in enumerate(_expected_cpu_pages(spec_gpu, spec_cpu.block_ids, 1)):
+                for ref in caches.group_data_refs[g]:
+                    for gpu_block, cpu_block, _ in pages:
+                        got = _page(
+                            handlers.cpu_tensors[ref.tensor_idx], cpu_block, 0, ref.page_size_bytes
+                        )
+                        assert got == _gpu_row(caches, ref.tensor_idx, gpu_block)
+    with pytest.raises(ConfigError, match="copy_threads must be an int >= 1, got 0"):
+        make_cpu_gpu_handlers(caches, block_size_factor=1, num_cpu_blocks=8, copy_threads=0)
+
+
+async def test_a_failing_share_fails_the_whole_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    import aiokvo.handlers.host as host
+
+    _, caches = _kv_caches("kv_first", [2])
+    real = host.apply_host_copies
+    calls = 0
+
+    def second_share_fails(copies: Sequence[HostCopy]) -> None:
+        nonlocal calls
+        calls += 1
+        if threading.current_thread().name.endswith("-h_0"):
+            raise OSError("helper failed")
+        real(copies)
+
+    monkeypatch.setattr(host, "apply_host_copies", second_share_fails)
+    async with make_cpu_gpu_handlers(
+        caches, block_size_factor=1, num_cpu_blocks=4, copy_threads=2
+    ) as handlers:
+        result = await handlers.gpu_to_cpu.transfer_async(
+            1, (GPULoadStoreSpec([0, 1], [2], [0]), CPULoadStoreSpec([0, 1]))
+        )
+    assert calls == 2
+    assert not result.success and isinstance(result.error, OSError)
 
 
 def test_pair_allocates_one_pool_per_tensor_and_validates() -> None:

@@ -1,33 +1,38 @@
-"""The host backend: copies between CPU tensors on a worker thread.
+"""The host backend: copies between CPU tensors on worker threads.
 
 Here the "GPU" KV caches are CPU tensors, so the backend runs on any machine;
-it is what tests, CI and the demo use without a device. Each handler owns one
-worker thread: copies of one direction run strictly in submission order, and
-torch releases the GIL inside its kernels, so the event loop keeps running.
+it is what tests, CI and the demo use without a device.
 
 A transfer is validated and planned on the caller's thread
 (:func:`~aiokvo.handlers.plan.plan_transfer`), so bad input raises from
-``transfer_async`` before anything is enqueued. The worker then runs one
-gather (``index_select``) and one scatter (``index_copy_``) per tensor, over
-rows viewed with the widest element type the page size allows: never a
-Python loop per page.
+``transfer_async`` before anything is enqueued. Each handler owns one
+dispatch thread, which runs its transfers strictly in submission order (FIFO
+per direction) and may split one transfer's tensors across
+``copy_threads - 1`` helper threads.
 
-Fault injection: pass ``copy_fn`` to run something else on the worker thread
-in place of :func:`apply_host_copies`. Whatever it raises fails that transfer
-(``TransferResult.success`` is false and ``error`` is the exception).
+The copy itself views every page as a single numpy element (a ``np.void`` of
+the page's size), so one fancy-indexing assignment per tensor moves all its
+pages with one ``memcpy`` each and without the GIL: never a Python loop per
+page. numpy is used rather than torch's ``index_copy_`` because the latter
+copies element by element and its intra-op thread pool collapses when the
+machine is oversubscribed (measured in ``benchmarks/results_host.md``).
+
+Fault injection: pass ``copy_fn`` to run something else on the dispatch
+thread in place of :func:`apply_host_copies`. Whatever it raises fails that
+transfer (``TransferResult.success`` is false and ``error`` is the exception).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from aiokvo.errors import LayoutError, TransferSpecError
+from aiokvo.errors import ConfigError, LayoutError, TransferSpecError
 from aiokvo.handlers.base import SingleDirectionHandler, Submission
 from aiokvo.handlers.plan import Int64Array, RowSpace, plan_transfer
 from aiokvo.handlers.task import DEFAULT_MAX_BUFFERED
@@ -36,76 +41,63 @@ from aiokvo.runtime.poller import PollerMode
 from aiokvo.runtime.sources import HostEvent
 from aiokvo.specs import TransferSpec
 
-__all__ = ["CopyFn", "GatherBuffer", "HostCopy", "HostOffloadingHandler", "apply_host_copies"]
+__all__ = [
+    "DEFAULT_COPY_THREADS",
+    "CopyFn",
+    "HostCopy",
+    "HostOffloadingHandler",
+    "apply_host_copies",
+]
 
-# Widest first: fewer, larger elements make torch's index kernels much faster.
-_WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8)
+DEFAULT_COPY_THREADS = 1
+"""Threads sharing one transfer's copies, dispatch thread included. One is the
+measured best on the shared 2-core box (see ``benchmarks/results_host.md``);
+more helps only where cores are idle."""
 
 
 @dataclass(frozen=True, slots=True)
 class HostCopy:
-    """Copy rows ``src_rows`` of ``src`` into rows ``dst_rows`` of ``dst``.
+    """Copy elements ``src_rows`` of ``src`` into elements ``dst_rows`` of ``dst``.
 
-    ``src`` and ``dst`` are 2-D views with equal row widths (any dtype);
-    ``*_start`` is the first row when the rows form one ascending run (so
-    a plain slice can replace an index), else ``None``.
+    ``src`` and ``dst`` are 1-D numpy arrays whose elements are whole pages
+    (same ``np.void`` dtype), viewing the tensors' memory. ``*_start`` is
+    the first index when the indices form one ascending run (a slice then
+    replaces fancy indexing and saves a pass), else ``None``.
     """
 
-    src: torch.Tensor
-    dst: torch.Tensor
-    src_rows: torch.Tensor
-    dst_rows: torch.Tensor
+    src: np.ndarray
+    dst: np.ndarray
+    src_rows: Int64Array
+    dst_rows: Int64Array
     src_start: int | None
     dst_start: int | None
 
     @property
     def nbytes(self) -> int:
-        return int(self.src_rows.shape[0]) * self.src.shape[1] * self.src.element_size()
+        return int(self.src_rows.shape[0]) * int(self.src.dtype.itemsize)
 
 
 CopyFn = Callable[[Sequence[HostCopy]], None]
-"""What the worker thread runs for one transfer (see :func:`apply_host_copies`)."""
+"""What the dispatch thread runs for one transfer (see :func:`apply_host_copies`)."""
 
 
-def apply_host_copies(copies: Sequence[HostCopy], scratch: GatherBuffer | None = None) -> None:
-    """Run ``copies`` in order: a gather into a scratch buffer, then a scatter.
-
-    A side whose rows form one run is used as a slice, which saves the extra pass.
-    """
+def apply_host_copies(copies: Sequence[HostCopy]) -> None:
+    """Run ``copies`` in order on the calling thread (the GIL is released inside numpy)."""
     for copy in copies:
         n = int(copy.src_rows.shape[0])
         if n == 0:
             continue
-        if copy.src_start is not None:
-            gathered = copy.src.narrow(0, copy.src_start, n)
-        elif copy.dst_start is not None and copy.dst.is_contiguous():
-            torch.index_select(
-                copy.src, 0, copy.src_rows, out=copy.dst.narrow(0, copy.dst_start, n)
-            )
-            continue
-        else:
-            buffer = scratch.get(n, copy.src) if scratch is not None else None
-            gathered = torch.index_select(copy.src, 0, copy.src_rows, out=buffer)
+        src = copy.src[copy.src_start : copy.src_start + n] if copy.src_start is not None else None
         if copy.dst_start is not None:
-            copy.dst.narrow(0, copy.dst_start, n).copy_(gathered)
+            dst = copy.dst[copy.dst_start : copy.dst_start + n]
+            if src is not None:
+                dst[...] = src
+            elif dst.flags.c_contiguous:
+                np.take(copy.src, copy.src_rows, out=dst)
+            else:
+                dst[...] = copy.src[copy.src_rows]
         else:
-            copy.dst.index_copy_(0, copy.dst_rows, gathered)
-
-
-class GatherBuffer:
-    """A reusable gather buffer, so a copy never pays for a fresh allocation."""
-
-    __slots__ = ("_buffer",)
-
-    def __init__(self) -> None:
-        self._buffer = torch.empty(0, dtype=torch.int8)
-
-    def get(self, rows: int, like: torch.Tensor) -> torch.Tensor:
-        width = int(like.shape[1])
-        nbytes = rows * width * like.element_size()
-        if self._buffer.numel() < nbytes:
-            self._buffer = torch.empty(nbytes, dtype=torch.int8)
-        return self._buffer[:nbytes].view(like.dtype).view(rows, width)
+            copy.dst[copy.dst_rows] = src if src is not None else copy.src[copy.src_rows]
 
 
 class HostOffloadingHandler(SingleDirectionHandler):
@@ -114,7 +106,9 @@ class HostOffloadingHandler(SingleDirectionHandler):
     ``cpu_tensors[i]`` is the pool for canonical tensor ``i`` of
     ``kv_caches``: shape ``(num_cpu_blocks, page_size_bytes * block_size_factor)``,
     int8, contiguous. ``gpu_to_cpu`` picks the direction (stores when true,
-    loads when false). ``copy_fn`` replaces the copy for fault injection.
+    loads when false). ``copy_threads`` threads share each transfer's
+    copies; ``copy_fn`` replaces the copy (for fault injection) and then
+    runs alone on the dispatch thread.
     """
 
     def __init__(
@@ -126,6 +120,7 @@ class HostOffloadingHandler(SingleDirectionHandler):
         gpu_to_cpu: bool,
         poller_mode: PollerMode | None = None,
         max_buffered: int = DEFAULT_MAX_BUFFERED,
+        copy_threads: int = DEFAULT_COPY_THREADS,
         copy_fn: CopyFn | None = None,
     ) -> None:
         super().__init__(
@@ -134,21 +129,28 @@ class HostOffloadingHandler(SingleDirectionHandler):
             max_buffered=max_buffered,
         )
         _check_pool(kv_caches, cpu_tensors, block_size_factor)
+        if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or copy_threads < 1:
+            raise ConfigError(f"copy_threads must be an int >= 1, got {copy_threads!r}")
         self.kv_caches = kv_caches
         self.cpu_tensors: tuple[torch.Tensor, ...] = tuple(cpu_tensors)
         self.block_size_factor = block_size_factor
         self.gpu_to_cpu = gpu_to_cpu
+        self.copy_threads = copy_threads
         gpu = [t.tensor for t in kv_caches.tensors]
         cpu = list(self.cpu_tensors)
         src, dst = (gpu, cpu) if gpu_to_cpu else (cpu, gpu)
         self._src_spaces = tuple(RowSpace.of(t) for t in src)
         self._dst_spaces = tuple(RowSpace.of(t) for t in dst)
         self._src_tensors, self._dst_tensors = src, dst
-        self._scratch = GatherBuffer()
-        self._copy_fn: CopyFn = copy_fn or (lambda c: apply_host_copies(c, self._scratch))
+        self._page_views: dict[tuple[bool, int, int, int], np.ndarray] = {}
+        self._copy_fn: CopyFn = copy_fn or self._copy_in_parallel
         direction = "g2c" if gpu_to_cpu else "c2g"
-        self._pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"aiokvo-host-{direction}"
+        # Threads start lazily, on the first transfer.
+        self._dispatch = ThreadPoolExecutor(1, thread_name_prefix=f"aiokvo-host-{direction}")
+        self._helpers = (
+            ThreadPoolExecutor(copy_threads - 1, thread_name_prefix=f"aiokvo-host-{direction}-h")
+            if copy_threads > 1
+            else None
         )
         self._lane = (type(self).__name__, direction, id(self))
 
@@ -162,14 +164,13 @@ class HostOffloadingHandler(SingleDirectionHandler):
             self.block_size_factor,
         )
         copies = [
-            _host_copy(
-                self._src_tensors[c.tensor_idx],
-                self._dst_tensors[c.tensor_idx],
-                plan.src_factor,
-                plan.dst_factor,
-                c.nbytes,
+            HostCopy(
+                self._pages(True, c.tensor_idx, plan.src_factor, c.nbytes),
+                self._pages(False, c.tensor_idx, plan.dst_factor, c.nbytes),
                 c.src_rows,
                 c.dst_rows,
+                _run_start(c.src_rows),
+                _run_start(c.dst_rows),
             )
             for c in plan.row_copies()
         ]
@@ -187,18 +188,46 @@ class HostOffloadingHandler(SingleDirectionHandler):
                 timing.end = time.perf_counter()
                 event.set()
 
-        self._pool.submit(run)
+        self._dispatch.submit(run)
         return Submission(
             source=event, transfer_size=plan.total_bytes, lane=self._lane, elapsed=timing.elapsed
         )
 
     async def _close_backend(self) -> None:
-        # Everything in flight has finished, so the worker is idle: joining is instant.
-        self._pool.shutdown(wait=True)
+        # Everything in flight has finished, so the threads are idle: joining is instant.
+        self._dispatch.shutdown(wait=True)
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=True)
+
+    def _copy_in_parallel(self, copies: Sequence[HostCopy]) -> None:
+        helpers = self._helpers
+        if helpers is None or len(copies) < 2:
+            apply_host_copies(copies)
+            return
+        shares = _split_by_bytes(copies, self.copy_threads)
+        futures: list[Future[None]] = [helpers.submit(apply_host_copies, s) for s in shares[1:]]
+        error: BaseException | None = None
+        try:
+            apply_host_copies(shares[0])
+        except BaseException as exc:
+            error = exc
+        for future in futures:  # wait for every share, even after a failure
+            error = error or future.exception()
+        if error is not None:
+            raise error
+
+    def _pages(self, src: bool, tensor_idx: int, factor: int, nbytes: int) -> np.ndarray:
+        """Tensor ``tensor_idx`` as a 1-D array of ``nbytes``-sized page elements (cached)."""
+        key = (src, tensor_idx, factor, nbytes)
+        view = self._page_views.get(key)
+        if view is None:
+            tensor = (self._src_tensors if src else self._dst_tensors)[tensor_idx]
+            view = self._page_views[key] = _page_elements(tensor, factor, nbytes)
+        return view
 
 
 class _Timing:
-    """Copy start/end as seen by the worker thread (queueing time excluded)."""
+    """Copy start/end as seen by the dispatch thread (queueing time excluded)."""
 
     __slots__ = ("end", "start")
 
@@ -208,6 +237,26 @@ class _Timing:
 
     def elapsed(self) -> float | None:
         return self.end - self.start if self.end else None
+
+
+def _page_elements(tensor: torch.Tensor, factor: int, nbytes: int) -> np.ndarray:
+    """``(rows, width)`` int8 as ``rows * factor`` page elements of ``nbytes`` each."""
+    rows, width = (int(n) for n in tensor.shape)
+    if factor > 1:
+        tensor = tensor.view(rows * factor, width // factor)
+    array = tensor.numpy()[:, :nbytes]
+    return array.view(np.dtype((np.void, nbytes))).reshape(-1)
+
+
+def _split_by_bytes(copies: Sequence[HostCopy], parts: int) -> list[list[HostCopy]]:
+    """Deal copies to ``parts`` shares, largest first onto the lightest share."""
+    shares: list[list[HostCopy]] = [[] for _ in range(min(parts, len(copies)))]
+    loads = [0] * len(shares)
+    for copy in sorted(copies, key=lambda c: c.nbytes, reverse=True):
+        lightest = loads.index(min(loads))
+        shares[lightest].append(copy)
+        loads[lightest] += copy.nbytes
+    return shares
 
 
 def _check_route(spec: TransferSpec, transfer_type: tuple[str, str]) -> TransferSpec:
@@ -247,45 +296,6 @@ def _check_pool(
                 f"CPU pool {i} rows must be page_size_bytes {kv.page_size_bytes} x "
                 f"block_size_factor {factor} = {want} bytes, got {cpu.shape[1]}"
             )
-
-
-def _host_copy(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    src_factor: int,
-    dst_factor: int,
-    nbytes: int,
-    src_rows: Int64Array,
-    dst_rows: Int64Array,
-) -> HostCopy:
-    src_view, dst_view = _widen(
-        _sub_rows(src, src_factor, nbytes), _sub_rows(dst, dst_factor, nbytes)
-    )
-    return HostCopy(
-        src_view,
-        dst_view,
-        torch.from_numpy(src_rows),
-        torch.from_numpy(dst_rows),
-        _run_start(src_rows),
-        _run_start(dst_rows),
-    )
-
-
-def _sub_rows(tensor: torch.Tensor, factor: int, nbytes: int) -> torch.Tensor:
-    """``tensor`` as ``(rows * factor, nbytes)``: sub-row ``k`` is a page's first bytes."""
-    if factor > 1:
-        rows, width = tensor.shape
-        tensor = tensor.view(rows * factor, width // factor)
-    return tensor[:, :nbytes]
-
-
-def _widen(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    for dtype in _WIDE_DTYPES:
-        try:
-            return src.view(dtype), dst.view(dtype)
-        except RuntimeError:
-            continue
-    return src, dst  # pragma: no cover - int8 always works
 
 
 def _run_start(rows: Int64Array) -> int | None:
