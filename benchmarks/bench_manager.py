@@ -33,7 +33,6 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,33 +188,32 @@ def scale_point(capacity: int, num_requests: int, policy: str, seed: int) -> Res
 # -- the peer --------------------------------------------------------------------
 
 
-def run_peer(python: str, trace_path: str, policies: list[str], lifecycle: bool,
-             memory: bool) -> dict[str, dict[str, float]]:
-    cmd = [python, str(PEER_SCRIPT), trace_path]
-    for policy in policies:
-        cmd += ["--policy", policy]
+def run_peer(python: str, trace_path: str, policy: str, lifecycle: bool,
+             memory: bool) -> dict[str, float]:
+    """One replay of ``policy`` on vLLM, in the peer's own interpreter."""
+    cmd = [python, str(PEER_SCRIPT), trace_path, "--policy", policy]
     if lifecycle:
         cmd.append("--lifecycle")
     if memory:
         cmd.append("--memory")
     proc = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            results[row.pop("policy")] = row
-    return results
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    (row,) = rows
+    row.pop("policy")
+    return dict(row)
 
 
 # -- main ------------------------------------------------------------------------
 
 
-def best_of(repeat: int, run: Callable[[], Result]) -> Result:
-    return max((run() for _ in range(repeat)), key=lambda r: r.req_per_s)
+def _best(old: dict[str, float] | None, new: dict[str, float]) -> dict[str, float]:
+    if old is None or new["req_per_s"] > old["req_per_s"]:
+        return {**(old or {}), **new}
+    return old
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200_000)
     parser.add_argument("--capacity", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=0)
@@ -224,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", help="replay this .npz instead of generating")
     parser.add_argument("--peer", metavar="PYTHON",
                         help="also replay on vLLM with this interpreter (.vllm-peer/bin/python)")
-    parser.add_argument("--repeat", type=int, default=1, help="best of N timed runs")
+    parser.add_argument("--peer-lifecycle", action="store_true",
+                        help="also time vLLM with on_new_request/on_request_finished per request")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds; each round runs every configuration once, "
+                        "interleaved, and the best round per configuration is kept")
     parser.add_argument("--scale-capacity", type=int, default=1_000_000)
     parser.add_argument("--scale-requests", type=int, default=20_000)
     parser.add_argument("--no-scale", action="store_true")
@@ -245,57 +247,57 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(trace.sequences)} sequences, {len(requests)} requests "
           f"(built in {time.perf_counter() - t0:.1f}s)")
 
-    ours: dict[str, dict[str, Result]] = {}
-    memory: dict[str, float] = {}
-    for policy in policies:
-        ours[policy] = {}
-        for mode in ("loop", "prefix"):
-            ours[policy][mode] = best_of(args.repeat, lambda: replay(
-                CPUOffloadingManager(trace.capacity, policy), sequences, requests,
-                prefix=(mode == "prefix")))
-        if not args.no_memory:
-            memory[policy] = bytes_per_block(trace.capacity, policy)
-
-    peer: dict[str, dict[str, dict[str, float]]] = {}
-    if args.peer:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = args.save or args.load or os.path.join(tmp, "trace.npz")
-            if not (args.save or args.load):
-                trace.save(path)
-            peer["bare"] = run_peer(args.peer, path, policies, False, not args.no_memory)
-            peer["lifecycle"] = run_peer(args.peer, path, policies, True, False)
+    tmp = tempfile.TemporaryDirectory()
+    trace_path = args.save or args.load or os.path.join(tmp.name, "trace.npz")
+    if args.peer and not (args.save or args.load):
+        trace.save(trace_path)
+    peer_variants = ["bare", "lifecycle"] if args.peer_lifecycle else ["bare"]
+    rows: dict[tuple[str, str, str], dict[str, float]] = {}
+    for round_no in range(args.repeat):
+        for policy in policies:
+            for mode in ("loop", "prefix"):
+                manager = CPUOffloadingManager(trace.capacity, policy)
+                r = replay(manager, sequences, requests, prefix=(mode == "prefix"))
+                del manager
+                key = ("aiokvo", policy, mode)
+                rows[key] = _best(rows.get(key), vars(r))
+            if args.peer:
+                for variant in peer_variants:
+                    p = run_peer(args.peer, trace_path, policy, variant == "lifecycle",
+                                 memory=(round_no == 0 and variant == "bare"
+                                         and not args.no_memory))
+                    key = (f"vLLM 0.32 ({variant})", policy, "loop")
+                    rows[key] = _best(rows.get(key), p)
+            if round_no == 0 and not args.no_memory:
+                for mode in ("loop", "prefix"):
+                    rows[("aiokvo", policy, mode)]["bytes_per_block"] = bytes_per_block(
+                        trace.capacity, policy)
+    tmp.cleanup()
 
     print()
     print("| impl | policy | lookups | req/s | µs/req | hit rate | bytes/block |")
     print("|---|---|---|---:|---:|---:|---:|")
-    for policy in policies:
-        for mode in ("loop", "prefix"):
-            r = ours[policy][mode]
-            mem = f"{memory[policy]:.1f}" if policy in memory else "-"
-            print(f"| aiokvo | {policy} | {mode} | {r.req_per_s:,.0f} | {r.us_per_req:.2f} | "
-                  f"{r.hit_rate:.4f} | {mem} |")
-        for variant, rows in peer.items():
-            p = rows[policy]
-            mem = f"{p['bytes_per_block']:.1f}" if "bytes_per_block" in p else "-"
-            print(f"| vLLM 0.32 ({variant}) | {policy} | loop | {p['req_per_s']:,.0f} | "
-                  f"{p['us_per_req']:.2f} | {p['hit_rate']:.4f} | {mem} |")
-    if peer:
+    for (impl, policy, mode), r in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        mem = f"{r['bytes_per_block']:.1f}" if "bytes_per_block" in r else "-"
+        print(f"| {impl} | {policy} | {mode} | {r['req_per_s']:,.0f} | {r['us_per_req']:.2f} | "
+              f"{r['hit_rate']:.4f} | {mem} |")
+    if args.peer:
         print()
-        print("Speed-up (aiokvo req/s ÷ vLLM req/s, vLLM bare = its fastest form):")
+        print("Speed-up (aiokvo req/s / vLLM req/s, same trace, interleaved rounds):")
         for policy in policies:
-            base = peer["bare"][policy]["req_per_s"]
-            full = peer["lifecycle"][policy]["req_per_s"]
-            for mode in ("loop", "prefix"):
-                r = ours[policy][mode].req_per_s
-                print(f"  {policy} {mode:6s}: {r / base:5.2f}x vs bare, {r / full:5.2f}x "
-                      f"vs lifecycle; hit rate {ours[policy][mode].hit_rate:.4f} vs "
-                      f"{peer['bare'][policy]['hit_rate']:.4f} (bare) / "
-                      f"{peer['lifecycle'][policy]['hit_rate']:.4f} (lifecycle)")
+            for variant in peer_variants:
+                base = rows[(f"vLLM 0.32 ({variant})", policy, "loop")]
+                for mode in ("loop", "prefix"):
+                    ours = rows[("aiokvo", policy, mode)]
+                    print(f"  {policy} {mode:6s} vs vLLM {variant:9s}: "
+                          f"{ours['req_per_s'] / base['req_per_s']:6.2f}x   hit rate "
+                          f"{ours['hit_rate']:.4f} vs {base['hit_rate']:.4f}")
 
     if not args.no_scale:
         print()
-        print(f"Scale: µs/req (prefix lookups) on a full manager, {args.scale_requests} "
-              f"requests, capacity {args.capacity} vs {args.scale_capacity}:")
+        print(f"Scale: µs/req (prefix lookups) on a manager prefilled to capacity, "
+              f"{args.scale_requests} requests, capacity {args.capacity} vs "
+              f"{args.scale_capacity} (universe 4x capacity):")
         for policy in policies:
             small = scale_point(args.capacity, args.scale_requests, policy, args.seed)
             large = scale_point(args.scale_capacity, args.scale_requests, policy, args.seed)
