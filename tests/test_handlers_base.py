@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter
+from collections.abc import Callable
 from typing import get_args
 
 import pytest
@@ -217,8 +218,8 @@ async def test_max_buffered_zero_keeps_nothing_but_tasks_still_resolve() -> None
         assert handler.dropped_results == 20
 
 
-async def test_a_waiting_reader_gets_every_result_even_with_a_tiny_buffer() -> None:
-    handler = FakeHandler(max_buffered=1)
+async def test_a_waiting_reader_is_handed_results_that_the_buffer_would_not_keep() -> None:
+    handler = FakeHandler(max_buffered=0)  # nothing is buffered: only a handoff delivers
     seen: list[int] = []
 
     async def read() -> None:
@@ -226,15 +227,21 @@ async def test_a_waiting_reader_gets_every_result_even_with_a_tiny_buffer() -> N
             seen.append(result.job_id)
 
     reader = asyncio.ensure_future(read())
-    await asyncio.sleep(0)
     for job in range(30):
-        handler.transfer_async(job, make_spec())
+        await asyncio.sleep(0)  # the reader is parked in the stream
+        task = handler.transfer_async(job, make_spec())
         handler.sources[job].set()
-        await asyncio.sleep(0.002)
+        await task
+        await asyncio.wait_for(_until(lambda job=job: len(seen) == job + 1), 5)
     await handler.aclose()
     await asyncio.wait_for(reader, 5)  # the stream ends once the handler is closed
     assert seen == list(range(30))
     assert handler.dropped_results == 0
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.001)
 
 
 async def test_several_readers_share_the_stream_without_duplicates() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from typing import get_args
 
 import pytest
@@ -34,6 +35,14 @@ class CountingSource(HostEvent):
     def query(self) -> bool:
         self.queries += 1
         return super().query()
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait for ``condition`` without assuming how fast a loaded machine is."""
+    deadline = time.perf_counter() + timeout
+    while not condition():
+        assert time.perf_counter() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -123,10 +132,9 @@ async def test_an_idle_poller_uses_no_cpu_and_schedules_nothing(mode: PollerMode
     future = poller.watch("lane", source)
     asyncio.get_running_loop().call_later(0.002, source.set)
     await asyncio.wait_for(future, 5)
-    await asyncio.sleep(0.1)  # let an idle waiter thread exit
+    await until(lambda: poller.active_threads == 0)  # an idle waiter thread exits
     assert poller.pending == 0
     assert poller._tick_handle is None
-    assert poller.active_threads == 0
 
     wall0, cpu0 = time.perf_counter(), time.process_time()
     await asyncio.sleep(0.3)
@@ -156,8 +164,7 @@ async def test_thread_mode_restarts_a_waiter_that_exited_while_idle() -> None:
         future = poller.watch("lane", source)
         threading.Timer(0.001, source.set).start()
         await asyncio.wait_for(future, 5)
-        await asyncio.sleep(0.06)
-        assert poller.active_threads == 0
+        await until(lambda: poller.active_threads == 0)
 
 
 @pytest.mark.parametrize("mode", MODES)
