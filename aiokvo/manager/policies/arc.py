@@ -52,7 +52,8 @@ class ARCCachePolicy(CachePolicy):
     def block_ids(self, keys: Sequence[OffloadKey]) -> list[int]:
         # Plain loops beat chains of map/filter here: two dicts per key.
         t1, t2 = self.t1, self.t2
-        return [t1[key] if key in t1 else t2[key] for key in keys]
+        # T2 first: a block read back has usually been used before.
+        return [t2[key] if key in t2 else t1[key] for key in keys]
 
     def uncached(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
         t1, t2 = self.t1, self.t2
@@ -62,7 +63,7 @@ class ARCCachePolicy(CachePolicy):
         t1, t2 = self.t1, self.t2
         hits = 0
         for key in keys:
-            if key not in t1 and key not in t2:
+            if key not in t2 and key not in t1:
                 break
             hits += 1
         return hits
