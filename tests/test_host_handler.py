@@ -397,3 +397,56 @@ def test_cuda_caches_without_a_cuda_backend_raise(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setitem(sys.modules, "aiokvo.handlers.cuda.pair", None)  # import fails
     with pytest.raises(CudaUnavailableError, match="CUDA backend not available"):
         make_cpu_gpu_handlers(caches, block_size_factor=1, num_cpu_blocks=2)
+
+
+# -- the demo (make demo) ------------------------------------------------------------
+
+
+def _load_quickstart() -> object:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
+    spec = importlib.util.spec_from_file_location("aiokvo_quickstart_demo", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while executing
+    spec.loader.exec_module(module)
+    return module
+
+
+DEMO_ARGS = ["--requests", "60", "--prefixes", "8", "--layers", "2", "--gpu-blocks", "96",
+             "--cpu-blocks", "24", "--kv-heads", "2", "--head-dim", "64"]  # fmt: skip
+
+
+def test_quickstart_demo_verifies_every_reload(capsys: pytest.CaptureFixture[str]) -> None:
+    demo = _load_quickstart()
+    assert demo.main(DEMO_ARGS) == 0  # type: ignore[attr-defined]
+    out = capsys.readouterr().out
+    loaded = int(out.split("blocks loaded")[1].split()[0])
+    assert loaded > 0
+    assert f"verified          {loaded}/{loaded}" in out
+    assert "requests          60 in" in out
+    assert int(out.split("blocks evicted")[1].split()[0]) > 0  # the pool was too small
+
+
+def test_quickstart_demo_exits_non_zero_on_corrupt_reload(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import aiokvo.handlers.host as host
+
+    real = host.apply_host_copies
+
+    def corrupting(copies: Sequence[HostCopy]) -> None:
+        real(copies)
+        for copy in copies:  # damage the first page written by every copy
+            if copy.dst_rows.size:
+                row = int(copy.dst_rows[0])
+                page = bytearray(bytes(copy.dst[row]))
+                page[0] = (page[0] + 1) % 256  # not an involution: stays wrong on reload
+                copy.dst[row] = np.void(bytes(page))
+
+    monkeypatch.setattr(host, "apply_host_copies", corrupting)
+    demo = _load_quickstart()
+    assert demo.main(DEMO_ARGS) == 1  # type: ignore[attr-defined]
+    assert "FAILED" in capsys.readouterr().out
