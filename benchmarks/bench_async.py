@@ -92,6 +92,39 @@ class _Setter:
         self.thread.join()
 
 
+class NotifyingHostEvent(HostEvent):
+    """A HostEvent that also wakes the poller itself (``NotifyingSource``), so
+    thread mode needs no waiter thread. A what-if for ``HostEvent``."""
+
+    __slots__ = ("_lock", "_wakes")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._wakes: list[Callable[[], None]] = []
+
+    def notify_when_done(self, wake: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._event.is_set():
+                self._wakes.append(wake)
+                return
+        wake()
+
+    def _fire(self) -> None:
+        with self._lock:
+            wakes, self._wakes = self._wakes, []
+        for wake in wakes:
+            wake()
+
+    def set(self) -> None:
+        super().set()
+        self._fire()
+
+    def set_exception(self, error: BaseException) -> None:
+        super().set_exception(error)
+        self._fire()
+
+
 class DeadlineSource:
     """Completes at a point in time with no Python involved (models a device event)."""
 
@@ -119,8 +152,8 @@ async def _wakeups(
     resumed: list[float] = []
 
     async def once(record: bool) -> None:
-        if completer == "thread":
-            source = HostEvent()
+        if completer in ("thread", "notify"):
+            source = HostEvent() if completer == "thread" else NotifyingHostEvent()
             future = poller.watch("bench", source)
             setter.jobs.put((source, delay))
             await future
@@ -141,7 +174,7 @@ async def _wakeups(
     wall = time.perf_counter() - wall0
     busy = (time.process_time() - cpu0) / wall
     setter.stop()
-    if completer == "thread":
+    if completer in ("thread", "notify"):
         stamps = setter.stamps
     latencies = [r - s for r, s in zip(resumed, stamps, strict=True)]
     await asyncio.sleep(0.05)
@@ -156,7 +189,10 @@ def bench_wakeup(quick: bool) -> None:
     emit()
     emit(
         "`completer=thread`: a Python thread sleeps `delay`, then sets a HostEvent "
-        "(the host backend's case; it needs the GIL). `completer=deadline`: the source "
+        "(the host backend's case; it needs the GIL). `completer=notify`: the same, "
+        "with a HostEvent that wakes the poller itself (`NotifyingSource`), "
+        "so thread mode needs no waiter thread. "
+        "`completer=deadline`: the source "
         "becomes complete `delay` after submission with no Python involved (a device "
         "event's case; thread mode's `synchronize()` sleeps until the deadline). "
         "`cycle` is wall time per round trip minus `delay`: it also shows how much the "
@@ -175,6 +211,8 @@ def bench_wakeup(quick: bool) -> None:
         ("thread", "thread", 0.0),
         ("thread", "adaptive", 0.002),
         ("thread", "thread", 0.002),
+        ("notify", "thread", 0.0),
+        ("notify", "thread", 0.002),
         ("deadline", "spin", 0.0001),
         ("deadline", "adaptive", 0.0001),
         ("deadline", "thread", 0.0001),
@@ -223,13 +261,19 @@ _DONE = _Done()
 
 
 def make_host_handler(
-    src: torch.Tensor, dst: torch.Tensor, mode: PollerMode
+    src: torch.Tensor, dst: torch.Tensor, mode: PollerMode, *, notify: bool = False
 ) -> SingleDirectionHandler | None:
-    """The real host handler (another module), or None if it is not there yet."""
+    """The real host handler (another module), or None if it is not there yet.
+
+    ``notify=True`` is a what-if: its HostEvents are swapped for
+    :class:`NotifyingHostEvent` (by patching the module the handler reads).
+    """
     try:
+        from aiokvo.handlers import host
         from aiokvo.handlers.host import HostOffloadingHandler
         from aiokvo.layout import CanonicalKVCaches
 
+        host.HostEvent = NotifyingHostEvent if notify else HostEvent  # type: ignore[misc]
         caches = CanonicalKVCaches.from_block_tensors([[src]])
         return HostOffloadingHandler(
             caches,
@@ -302,22 +346,27 @@ def bench_overhead(quick: bool) -> None:
     emit(
         "`inline` = a handler whose copy runs inside `transfer_async` (pure async "
         "overhead); `host` = the real `HostOffloadingHandler` (copy on its worker "
-        f"thread). `pipelined` keeps {window} transfers in flight; `sequential` awaits each."
+        "thread); `host+notify` = the same with `NotifyingHostEvent` swapped in (what-if). "
+        f" `pipelined` keeps {window} transfers in flight; `sequential` awaits each."
     )
     emit()
     emit("| loop | mode | handler | sequential /s | pipelined /s | pipelined vs direct |")
     emit("|---|---|---|---|---|---|")
     for loop_name in LOOPS:
         for mode in MODES:
-            for kind in ("inline", "host"):
+            for kind in ("inline", "host", "host+notify"):
 
                 def build(kind: str = kind, mode: PollerMode = mode) -> Any:
                     if kind == "inline":
                         return InlineCopyHandler(src, dst, mode)
-                    return make_host_handler(src, dst, mode)
+                    return make_host_handler(src, dst, mode, notify=kind == "host+notify")
 
-                if build() is None:
+                if kind == "host+notify" and mode != "thread":
                     continue
+                probe = build()
+                if probe is None:
+                    continue
+                run_on(loop_name, probe.aclose())
 
                 async def seq(build: Callable[[], Any] = build) -> float:
                     return await _sequential(build(), specs[: count // 4])

@@ -15,6 +15,7 @@ from aiokvo.runtime.poller import (
     DEFAULT_POLLER_MODE,
     POLLER_MODE_ENV,
     EventPoller,
+    NotifyingSource,
     PollerMode,
     resolve_poller_mode,
 )
@@ -267,3 +268,71 @@ async def test_thread_mode_skips_the_thread_for_sources_already_done() -> None:
     done.set()
     await asyncio.wait_for(poller.watch("lane", done), 5)
     assert poller.active_threads == 0
+
+
+class NotifyingEvent(HostEvent):
+    """A HostEvent that wakes whoever asked once it is set (a NotifyingSource)."""
+
+    __slots__ = ("_lock", "_wakes")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._wakes: list[Callable[[], None]] = []
+
+    def notify_when_done(self, wake: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._event.is_set():
+                self._wakes.append(wake)
+                return
+        wake()
+
+    def _fire(self) -> None:
+        with self._lock:
+            wakes, self._wakes = self._wakes, []
+        for wake in wakes:
+            wake()
+
+    def set(self) -> None:
+        super().set()
+        self._fire()
+
+    def set_exception(self, error: BaseException) -> None:
+        super().set_exception(error)
+        self._fire()
+
+
+@pytest.mark.both_loops
+async def test_notifying_sources_need_no_waiter_thread_and_keep_lane_order() -> None:
+    poller = EventPoller(mode="thread")
+    assert isinstance(NotifyingEvent(), NotifyingSource)
+    order: list[int] = []
+    sources = [NotifyingEvent() for _ in range(50)]
+    sources[0].set()  # done before it is watched: woken at once
+    futures = []
+    for i, source in enumerate(sources):
+        future = poller.watch("lane", source)
+        future.add_done_callback(lambda _, i=i: order.append(i))
+        futures.append(future)
+    failure = ValueError("bad page")
+    sources[7].set_exception(failure)
+    later = [s for i, s in enumerate(sources) if i not in (0, 7)]
+    thread = threading.Thread(target=lambda: [s.set() for s in reversed(later)])
+    thread.start()
+    outcomes = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), 5)
+    thread.join()
+    assert order == list(range(50))
+    assert outcomes[7] is failure
+    assert poller.active_threads == 0
+    assert poller.pending == 0
+
+
+async def test_close_fails_pending_notifying_sources() -> None:
+    poller = EventPoller(mode="thread")
+    source = NotifyingEvent()
+    future = poller.watch("lane", source)
+    poller.close()
+    with pytest.raises(PollerClosedError):
+        await future
+    source.set()  # a late wake after close is harmless
+    await asyncio.sleep(0.01)

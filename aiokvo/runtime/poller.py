@@ -17,7 +17,11 @@ Three ways to wait, chosen per poller and overridable per lane:
 ``thread``
     One waiter thread per lane blocks in ``source.synchronize()`` and wakes
     the loop with ``call_soon_threadsafe``. No CPU while waiting; costs one
-    thread hop per batch of completions.
+    thread hop per batch of completions. A source completed by one of our
+    own Python threads may offer ``notify_when_done(wake)`` (see
+    :class:`NotifyingSource`); then no waiter thread is needed: the
+    completing thread wakes the loop itself. Device sources must not do
+    this from a driver callback (``cudaLaunchHostFunc``).
 
 With nothing pending the poller schedules no timers and its threads sleep
 on a condition (exiting after ``idle_thread_timeout``), so it uses no CPU.
@@ -32,7 +36,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable
-from typing import ClassVar, Literal, TypeAlias, cast, get_args
+from typing import ClassVar, Literal, Protocol, TypeAlias, cast, get_args, runtime_checkable
 
 from aiokvo.errors import ConfigError, PollerClosedError
 from aiokvo.runtime.sources import CompletionSource
@@ -42,6 +46,7 @@ __all__ = [
     "POLLER_MODE_ENV",
     "CompletionCallback",
     "EventPoller",
+    "NotifyingSource",
     "PollerMode",
     "resolve_poller_mode",
 ]
@@ -55,6 +60,20 @@ DEFAULT_POLLER_MODE: PollerMode = "thread"
 
 POLLER_MODE_ENV = "AIOKVO_POLLER_MODE"
 """Environment variable that overrides the default mode of new pollers."""
+
+
+@runtime_checkable
+class NotifyingSource(CompletionSource, Protocol):
+    """A completion source that can say when it is done, so no thread must wait on it.
+
+    ``notify_when_done(wake)`` calls ``wake()`` once, from any thread, when
+    the source completes (or at once if it already has). ``wake`` is cheap,
+    thread-safe and never blocks. Only for sources completed by ordinary
+    Python threads (like the host backend's); never from a CUDA host function.
+    """
+
+    def notify_when_done(self, wake: Callable[[], None]) -> None: ...
+
 
 _MODES: tuple[str, ...] = get_args(PollerMode)
 _BACKOFF_STEP = 0.001  # asyncio cannot sleep for less than about a millisecond
@@ -160,6 +179,45 @@ class _LaneWaiter:
                     return
 
 
+class _NotifiedLane:
+    """A lane of :class:`NotifyingSource` s: drained on the loop when one says it is done."""
+
+    __slots__ = ("_poller", "lane", "queue", "wake_pending")
+
+    def __init__(self, poller: EventPoller, lane: Hashable) -> None:
+        self._poller = poller
+        self.lane = lane
+        self.queue: deque[_Entry] = deque()
+        self.wake_pending = False
+
+    def wake(self) -> None:
+        """Called by a completing source, on any thread."""
+        # One scheduled drain covers every source that finished before it runs:
+        # a source is complete before it calls wake, and drain clears the flag
+        # before it looks at any source, so no completion is missed.
+        if self.wake_pending:
+            return
+        self.wake_pending = True
+        if not self._poller._call_threadsafe(self.drain):
+            self.wake_pending = False
+
+    def drain(self) -> None:
+        self.wake_pending = False
+        queue = self.queue
+        while queue:
+            source, callback = queue[0]
+            error: BaseException | None = None
+            try:
+                if not source.query():
+                    break
+            except BaseException as exc:
+                error = exc
+            queue.popleft()
+            self._poller._invoke(callback, error)
+        if not queue:
+            self._poller._forget_notified(self)
+
+
 class EventPoller:
     """Watches completion sources for one event loop; see the module docstring.
 
@@ -204,6 +262,7 @@ class EventPoller:
         self._tick_is_timer = False
         self._spin_until = 0.0
         self._waiters: dict[Hashable, _LaneWaiter] = {}
+        self._notified: dict[Hashable, _NotifiedLane] = {}
         with EventPoller._registry_lock:
             existing = EventPoller._by_loop.get(loop)
             if existing is not None and not existing._closed:
@@ -249,7 +308,8 @@ class EventPoller:
     def pending(self) -> int:
         """Sources not yet reported (a snapshot; for tests and diagnostics)."""
         polled = sum(len(q) for q in self._lanes.values())
-        return polled + sum(len(w._queue) for w in self._waiters.values())
+        notified = sum(len(n.queue) for n in self._notified.values())
+        return polled + notified + sum(len(w._queue) for w in self._waiters.values())
 
     @property
     def active_threads(self) -> int:
@@ -286,6 +346,14 @@ class EventPoller:
         loop = self._require_loop()
         lane_mode = self._mode if mode is None else mode
         if lane_mode == "thread":
+            notify = getattr(source, "notify_when_done", None)
+            if notify is not None:
+                notified = self._notified.get(lane)
+                if notified is None:
+                    notified = self._notified[lane] = _NotifiedLane(self, lane)
+                notified.queue.append((source, callback))
+                notify(notified.wake)
+                return
             waiter = self._waiter_for(lane)
             if waiter.is_empty():
                 # Already finished (an inline or empty copy): skip the thread hop.
@@ -335,6 +403,10 @@ class EventPoller:
             pending.extend(queue)
         self._lanes.clear()
         self._spin_lanes = 0
+        for notified in self._notified.values():
+            pending.extend(notified.queue)
+            notified.queue.clear()
+        self._notified.clear()
         pending.extend(self._close_threads())
         with EventPoller._registry_lock:
             if loop is not None and EventPoller._by_loop.get(loop) is self:
@@ -368,6 +440,29 @@ class EventPoller:
         self._waiters.clear()
         self._closed = True
         return pending
+
+    def _call_threadsafe(self, function: Callable[[], None]) -> bool:
+        """Schedule ``function`` on the loop from any thread; False if the loop is gone."""
+        loop = self._loop_ref()
+        if loop is None or self._closed:
+            return False
+        try:
+            loop.call_soon_threadsafe(function)
+        except RuntimeError:  # the loop closed under us
+            return False
+        return True
+
+    def _invoke(self, callback: CompletionCallback, error: BaseException | None) -> None:
+        try:
+            callback(error)
+        except Exception as exc:
+            loop = self._loop_ref()
+            if loop is not None:
+                _report_callback_error(loop, exc)
+
+    def _forget_notified(self, notified: _NotifiedLane) -> None:
+        if self._notified.get(notified.lane) is notified:
+            del self._notified[notified.lane]
 
     def _deliver_threadsafe(
         self, batch: list[tuple[CompletionCallback, BaseException | None]]
