@@ -5,6 +5,7 @@ from aiokvo.runtime.poller import (
     POLLER_MODE_ENV,
     CompletionCallback,
     EventPoller,
+    NotifyingSource,
     PollerMode,
     resolve_poller_mode,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "CompletionSource",
     "EventPoller",
     "HostEvent",
+    "NotifyingSource",
     "PollerMode",
     "loop_factory",
     "resolve_poller_mode",
