@@ -399,6 +399,68 @@ def test_cuda_caches_without_a_cuda_backend_raise(monkeypatch: pytest.MonkeyPatc
         make_cpu_gpu_handlers(caches, block_size_factor=1, num_cpu_blocks=2)
 
 
+@pytest.mark.both_loops
+async def test_cancel_storm_reports_each_result_once_and_leaks_nothing() -> None:
+    pages = torch.arange(64 * 256, dtype=torch.int32).view(64, 256).view(torch.int8)
+    caches = CanonicalKVCaches.from_engine([pages])
+    manager = CPUOffloadingManager(num_blocks=1000)
+    ctx = ReqContext()
+    jobs = 1000
+    keys = [make_offload_key(j.to_bytes(8, "big"), 0) for j in range(jobs)]
+    async with make_cpu_gpu_handlers(caches, block_size_factor=1, num_cpu_blocks=1000) as h:
+        store = h.gpu_to_cpu
+        waiters = []
+        cpu_block = {}
+        for job, key in enumerate(keys):
+            out = manager.prepare_store([key], ctx)
+            assert out is not None
+            cpu_block[job] = int(out.store_spec.block_ids[0])  # type: ignore[attr-defined]
+            task = store.transfer_async(
+                job, (GPULoadStoreSpec([job % 64], [1], [0]), out.store_spec)
+            )
+            waiters.append(asyncio.ensure_future(_await(task)))
+        for waiter in waiters[::2]:
+            waiter.cancel()
+        seen: list[int] = []
+        async for result in store.get_finished():
+            assert result.success
+            seen.append(result.job_id)
+            manager.complete_store([keys[result.job_id]], success=True)
+            if len(seen) == jobs:
+                break
+        assert sorted(seen) == list(range(jobs)) and seen == sorted(seen)
+        assert store.in_flight == 0 and store.get_finished_nowait() == []
+        done = await asyncio.gather(*waiters[1::2])
+        assert [r.job_id for r in done] == list(range(1, jobs, 2))  # type: ignore[attr-defined]
+        assert all(w.cancelled() for w in waiters[::2])
+        for job in (0, 1, 499, 999):  # the copies themselves all ran
+            row = h.cpu_tensors[0][cpu_block[job]]
+            assert torch.equal(row, caches.tensors[0].tensor[job % 64])
+    # Nothing is left pinned or half-written: every block is ready and evictable.
+    assert manager.lookup_prefix(keys, ctx) == jobs
+    fresh = [make_offload_key(b"new" + j.to_bytes(8, "big"), 0) for j in range(jobs)]
+    out = manager.prepare_store(fresh, ctx)
+    assert out is not None and len(out.evicted_keys) == jobs
+
+
+def test_telemetry_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "telemetry.py"
+    spec = importlib.util.spec_from_file_location("aiokvo_telemetry_demo", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    assert module.main(["--seconds", "1.2", "--pool-blocks", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("hit ") >= 2  # at least one per-second line and the final one
+    final = out.split("final:")[1]
+    assert int(final.split("stored")[1].split()[0]) > 0
+    assert int(final.split("evicted")[1].split()[0]) > 0
+
+
 # -- the demo (make demo) ------------------------------------------------------------
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "PointerPlan",
     "RowCopy",
     "RowSpace",
+    "TensorLike",
     "TransferPlan",
     "compute_sub_block_ptrs",
     "plan_copy_ptrs",
