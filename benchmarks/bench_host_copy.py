@@ -23,7 +23,7 @@ from aiokvo.handlers.host import DEFAULT_COPY_THREADS
 from aiokvo.handlers.pair import make_cpu_gpu_handlers
 from aiokvo.layout import CanonicalKVCaches
 from aiokvo.runtime.run import run
-from aiokvo.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from aiokvo.specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferSpec
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -60,32 +60,45 @@ async def _bench_page(page: int, args: argparse.Namespace) -> dict[str, float]:
     ) as handlers:
         for cpu in handlers.cpu_tensors:
             cpu.fill_(1)  # fault the pool in
-        job = 0
-        for rep in range(args.reps + 1):
-            gpu_ids = rng.choice(args.pool_blocks, size=args.blocks, replace=False)
-            cpu_ids = rng.choice(args.pool_blocks, size=args.blocks, replace=False)
-            gpu_spec = GPULoadStoreSpec(gpu_ids, [args.blocks], [0])
-            cpu_spec = CPULoadStoreSpec(cpu_ids)
+        jobs = iter(range(1, 1_000_000))
 
-            tm = time.perf_counter()
+        async def store() -> None:
+            spec = _random_pair(rng, args, gpu_first=True)
+            result = await handlers.gpu_to_cpu.transfer_async(next(jobs), spec)
+            assert result.success and result.transfer_size == total, result
+
+        async def load() -> None:
+            spec = _random_pair(rng, args, gpu_first=False)
+            result = await handlers.cpu_to_gpu.transfer_async(next(jobs), spec)
+            assert result.success and result.transfer_size == total, result
+
+        async def memcpy() -> None:
             np.copyto(dst_np, src_np)
-            t0 = time.perf_counter()
+
+        async def contiguous() -> None:
             dst.copy_(src)
-            t1 = time.perf_counter()
-            job += 1
-            stored = await handlers.gpu_to_cpu.transfer_async(job, (gpu_spec, cpu_spec))
-            t2 = time.perf_counter()
-            job += 1
-            loaded = await handlers.cpu_to_gpu.transfer_async(job, (cpu_spec, gpu_spec))
-            t3 = time.perf_counter()
-            assert stored.success and loaded.success, (stored, loaded)
-            assert stored.transfer_size == total
-            if rep:  # the first round warms threads and caches
-                times["memcpy"].append(t0 - tm)
-                times["contiguous"].append(t1 - t0)
-                times["store"].append(t2 - t1)
-                times["load"].append(t3 - t2)
+
+        ops = {"memcpy": memcpy, "contiguous": contiguous, "store": store, "load": load}
+        names = list(ops)
+        for rep in range(args.reps + 1):
+            # Rotate the order so no candidate always runs right after another
+            # (torch's idle OpenMP threads spin for a while after a parallel copy).
+            for name in names[rep % 4 :] + names[: rep % 4]:
+                start = time.perf_counter()
+                await ops[name]()
+                if rep:  # the first round warms threads and caches
+                    times[name].append(time.perf_counter() - start)
     return {name: total / statistics.median(ts) / 1e9 for name, ts in times.items()}
+
+
+def _random_pair(
+    rng: np.random.Generator, args: argparse.Namespace, *, gpu_first: bool
+) -> TransferSpec:
+    gpu_ids = rng.choice(args.pool_blocks, size=args.blocks, replace=False)
+    cpu_ids = rng.choice(args.pool_blocks, size=args.blocks, replace=False)
+    gpu = GPULoadStoreSpec(gpu_ids, [args.blocks], [0])
+    cpu = CPULoadStoreSpec(cpu_ids)
+    return (gpu, cpu) if gpu_first else (cpu, gpu)
 
 
 async def _main(args: argparse.Namespace) -> int:
