@@ -12,6 +12,7 @@ copy by numpy on one thread, for context. Run: ``.venv/bin/python benchmarks/ben
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 from collections.abc import Sequence
@@ -79,11 +80,13 @@ async def _bench_page(page: int, args: argparse.Namespace) -> dict[str, float]:
             dst.copy_(src)
 
         ops = {"memcpy": memcpy, "contiguous": contiguous, "store": store, "load": load}
-        names = list(ops)
+        order = random.Random(page)
         for rep in range(args.reps + 1):
-            # Rotate the order so no candidate always runs right after another
+            # Shuffle the order so no candidate always runs right after another
             # (torch's idle OpenMP threads spin for a while after a parallel copy).
-            for name in names[rep % 4 :] + names[: rep % 4]:
+            names = list(ops)
+            order.shuffle(names)
+            for name in names:
                 start = time.perf_counter()
                 await ops[name]()
                 if rep:  # the first round warms threads and caches
