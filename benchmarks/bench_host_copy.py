@@ -6,7 +6,10 @@ public path (``transfer_async`` + ``await``: planning, worker thread, poller).
 The reference is a single ``dst.copy_(src)`` of the same total byte count
 (torch, all intra-op threads), timed in the same run, interleaved with the
 handler, so the ratio holds even on a noisy machine; ``memcpy`` is the same
-copy by numpy on one thread, for context. Run: ``.venv/bin/python benchmarks/bench_host_copy.py``.
+copy by numpy on one thread, and ``copy-only`` the handler's own copy time
+(``TransferResult.transfer_time``, both directions), both for context.
+
+Run: ``.venv/bin/python benchmarks/bench_host_copy.py``.
 """
 
 from __future__ import annotations
@@ -62,16 +65,19 @@ async def _bench_page(page: int, args: argparse.Namespace) -> dict[str, float]:
         for cpu in handlers.cpu_tensors:
             cpu.fill_(1)  # fault the pool in
         jobs = iter(range(1, 1_000_000))
+        copy_times: list[float] = []  # worker-side copy time, both directions
 
         async def store() -> None:
             spec = _random_pair(rng, args, gpu_first=True)
             result = await handlers.gpu_to_cpu.transfer_async(next(jobs), spec)
             assert result.success and result.transfer_size == total, result
+            copy_times.append(result.transfer_time or 0.0)
 
         async def load() -> None:
             spec = _random_pair(rng, args, gpu_first=False)
             result = await handlers.cpu_to_gpu.transfer_async(next(jobs), spec)
             assert result.success and result.transfer_size == total, result
+            copy_times.append(result.transfer_time or 0.0)
 
         async def memcpy() -> None:
             np.copyto(dst_np, src_np)
@@ -91,7 +97,9 @@ async def _bench_page(page: int, args: argparse.Namespace) -> dict[str, float]:
                 await ops[name]()
                 if rep:  # the first round warms threads and caches
                     times[name].append(time.perf_counter() - start)
-    return {name: total / statistics.median(ts) / 1e9 for name, ts in times.items()}
+    gbps = {name: total / statistics.median(ts) / 1e9 for name, ts in times.items()}
+    gbps["copy"] = total / statistics.median(copy_times[2:]) / 1e9
+    return gbps
 
 
 def _random_pair(
@@ -108,10 +116,11 @@ async def _main(args: argparse.Namespace) -> int:
     print(
         f"host copy: {args.blocks} scattered blocks x {args.layers} layers x (K, V) per "
         f"transfer, median of {args.reps}; copy_threads={args.copy_threads}, "
+        f"poller_mode={args.poller_mode or 'default'}, "
         f"torch threads={torch.get_num_threads()}"
     )
     header = f"{'page':>7} {'MiB/xfer':>8} {'memcpy':>7} {'contig GB/s':>11} {'store GB/s':>10} "
-    header += f"{'load GB/s':>9} {'store/contig':>12} {'load/contig':>11}"
+    header += f"{'load GB/s':>9} {'store/contig':>12} {'load/contig':>11} {'copy-only':>9}"
     print(header)
     for kib in args.page_kib:
         page = kib * 1024
@@ -120,7 +129,8 @@ async def _main(args: argparse.Namespace) -> int:
         c = gbps["contiguous"]
         print(
             f"{kib:>5}Ki {mib:>8.0f} {gbps['memcpy']:>7.2f} {c:>11.2f} {gbps['store']:>10.2f} "
-            f"{gbps['load']:>9.2f} {gbps['store'] / c:>12.0%} {gbps['load'] / c:>11.0%}"
+            f"{gbps['load']:>9.2f} {gbps['store'] / c:>12.0%} {gbps['load'] / c:>11.0%} "
+            f"{gbps['copy']:>9.2f}"
         )
     return 0
 
