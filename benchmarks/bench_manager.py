@@ -185,6 +185,25 @@ def scale_point(capacity: int, num_requests: int, policy: str, seed: int) -> Res
     return replay(manager, sequences, trace.requests.tolist(), prefix=True)
 
 
+def probe_ns(capacity: int, probes: int = 1_000_000, seed: int = 0) -> float:
+    """ns per ``key in OrderedDict`` on a table of ``capacity`` keys (control).
+
+    The same C probe at two sizes: any growth is memory latency, the floor
+    for every hash-table-based manager, not an algorithmic cost.
+    """
+    from collections import OrderedDict
+
+    rng = np.random.default_rng(seed)
+    keys = [bytes(row) + GROUP0 for row in rng.integers(0, 256, (capacity, HASH_BYTES),
+                                                         dtype=np.uint8)]
+    table = OrderedDict.fromkeys(keys, 0)
+    picks = [keys[i] for i in rng.integers(0, capacity, probes).tolist()]
+    contains = table.__contains__
+    start = time.perf_counter()
+    assert all(map(contains, picks))
+    return (time.perf_counter() - start) / probes * 1e9
+
+
 # -- the peer --------------------------------------------------------------------
 
 
@@ -304,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {policy}: {small.us_per_req:.2f} µs (hit {small.hit_rate:.3f}) -> "
                   f"{large.us_per_req:.2f} µs (hit {large.hit_rate:.3f}): "
                   f"ratio {large.us_per_req / small.us_per_req:.2f}")
+        small_ns, large_ns = probe_ns(args.capacity), probe_ns(args.scale_capacity)
+        print(f"  control, one OrderedDict membership probe (random keys): "
+              f"{small_ns:.0f} ns -> {large_ns:.0f} ns: ratio {large_ns / small_ns:.2f}")
     print(f"\n# total {time.perf_counter() - t0:.0f}s")
     return 0
 

@@ -74,7 +74,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._num_allocated = 0
         self._free_ids: list[int] = []
         self._policy: CachePolicy = resolve_policy(cache_policy)(num_blocks)
-        self._is_cached = self._policy.membership()
+        # ``lookup`` probes these inline: no Python-level call per key.
+        self._table_a, self._table_b = self._policy.membership_tables()
         self._writing: set[OffloadKey] = set()
         self._pinned: set[OffloadKey] = set()
         self._extra_pins: dict[OffloadKey, int] = {}
@@ -114,7 +115,7 @@ class CPUOffloadingManager(OffloadingManager):
     # -- lookups ---------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
-        if not self._is_cached(key):
+        if key not in self._table_a and key not in self._table_b:
             return False
         return None if key in self._writing else True
 
@@ -144,7 +145,7 @@ class CPUOffloadingManager(OffloadingManager):
         if writing and not writing.isdisjoint(keys):
             raise self._load_error(keys)
         pinned = self._pinned
-        if not self._extra_pins and pinned.isdisjoint(keys):
+        if not self._extra_pins and (not pinned or pinned.isdisjoint(keys)):
             before = len(pinned)
             pinned.update(keys)
             if len(pinned) - before == len(keys):
@@ -163,7 +164,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     def _load_error(self, keys: Iterable[OffloadKey]) -> UnknownKeyError | BlockNotReadyError:
         for key in keys:
-            if not self._is_cached(key):
+            if key not in self._policy:
                 return UnknownKeyError(f"cannot load key {key!r}: it is not offloaded")
             if key in self._writing:
                 return BlockNotReadyError(f"cannot load key {key!r}: it is still being written")
@@ -196,7 +197,7 @@ class CPUOffloadingManager(OffloadingManager):
             wanted = releases.get(key, 0) + 1
             held = 1 + extra.get(key, 0) if key in pinned else 0
             if held < wanted:
-                if not self._is_cached(key):
+                if key not in self._policy:
                     raise UnknownKeyError(f"cannot complete load of key {key!r}: not offloaded")
                 raise BlockNotReadyError(
                     f"cannot complete load of key {key!r}: it has no pending load"
@@ -220,7 +221,8 @@ class CPUOffloadingManager(OffloadingManager):
         if not new_keys:
             return PrepareStoreOutput([], _cpu_spec([]), [])
 
-        shortfall = len(new_keys) - self.num_free_blocks
+        free_ids = self._free_ids
+        shortfall = len(new_keys) - (len(free_ids) + self._num_blocks - self._num_allocated)
         evicted_keys: list[OffloadKey] = []
         if shortfall > 0:
             # Everything named by this call is protected, present or not.
@@ -233,7 +235,7 @@ class CPUOffloadingManager(OffloadingManager):
             if evicted is None:
                 return None
             evicted_keys, freed_ids = evicted
-            self._free_ids += freed_ids
+            free_ids += freed_ids
             if self._sink.active:
                 self._sink.publish(OffloadingEvent(list(evicted_keys), self.medium, True))
 

@@ -49,6 +49,9 @@ class ARCCachePolicy(CachePolicy):
     def items(self) -> Iterator[tuple[OffloadKey, int]]:
         return iter([*self.t1.items(), *self.t2.items()])
 
+    def membership_tables(self) -> tuple[Container[object], Container[object]]:
+        return self.t2, self.t1
+
     def block_ids(self, keys: Sequence[OffloadKey]) -> list[int]:
         # Plain loops beat chains of map/filter here: two dicts per key.
         t1, t2 = self.t1, self.t2
@@ -109,20 +112,25 @@ class ARCCachePolicy(CachePolicy):
         # >= int(target) and T1 still has an evictable key; after that, or
         # once T1 runs dry, every remaining victim comes from T2.
         target = int(self.target_t1_size)
-        from_t1_max = min(n, len(t1) - target + 1) if len(t1) >= target else 0
-        victims_t1 = (
-            list(islice(evictable(t1, exclude), from_t1_max)) if from_t1_max > 0 else []
-        )
-        rest = n - len(victims_t1)
-        victims_t2 = list(islice(evictable(t2, exclude), rest)) if rest else []
-        if len(victims_t2) < rest:
+        quota = min(n, len(t1) - target + 1) if len(t1) >= target else 0
+        victims = list(islice(evictable(t1, exclude), quota)) if quota > 0 else []
+        rest = n - len(victims)
+        from_t2 = list(islice(evictable(t2, exclude), rest)) if rest else []
+        if len(from_t2) < rest:
             return None
-        ids = list(map(t1.pop, victims_t1))
-        ids += map(t2.pop, victims_t2)
-        self.b1.update(dict.fromkeys(victims_t1))
-        self.b2.update(dict.fromkeys(victims_t2))
-        for ghosts in (self.b1, self.b2):
-            excess = len(ghosts) - self.cache_capacity
-            if excess > 0:
-                deque(map(ghosts.popitem, repeat(False, excess)), maxlen=0)
-        return victims_t1 + victims_t2, ids
+        ids: list[int] = []
+        # A ghost list only needs trimming after it grew: it was trimmed then.
+        if victims:
+            ids += map(t1.pop, victims)
+            self._remember(self.b1, victims)
+        if from_t2:
+            ids += map(t2.pop, from_t2)
+            self._remember(self.b2, from_t2)
+            victims += from_t2
+        return victims, ids
+
+    def _remember(self, ghosts: OrderedDict[OffloadKey, None], keys: list[OffloadKey]) -> None:
+        ghosts.update(dict.fromkeys(keys))
+        excess = len(ghosts) - self.cache_capacity
+        if excess > 0:
+            deque(map(ghosts.popitem, repeat(False, excess)), maxlen=0)

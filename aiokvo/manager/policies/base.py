@@ -14,7 +14,7 @@ written naively against it and plugged in by module path.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from itertools import takewhile
 
 from aiokvo.keys import OffloadKey
@@ -115,9 +115,14 @@ class CachePolicy(ABC):
     def evict(self, n: int, exclude: Sequence[Container[OffloadKey]]) -> Evicted | None:
         """Remove ``n`` evictable blocks, all or nothing."""
 
-    def membership(self) -> Callable[[object], bool]:
-        """A fast ``key in self`` callable (a C bound method where possible)."""
-        return self.__contains__
+    def membership_tables(self) -> tuple[Container[object], Container[object]]:
+        """Two containers whose union is exactly the cached keys, kept up to date.
+
+        The manager's ``lookup`` tests ``key in a or key in b`` inline, so
+        returning the policy's own dicts saves a Python call per lookup. The
+        default is ``(self, <empty>)``, which is always correct.
+        """
+        return self, frozenset()
 
     def block_ids(self, keys: Sequence[OffloadKey]) -> list[int]:
         """Block ids of ``keys``, in order; raises ``KeyError`` for an absent key."""

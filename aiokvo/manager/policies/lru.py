@@ -10,7 +10,7 @@ walk would slow down as the pool grows (see docs/manager.md).
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from itertools import filterfalse, islice, takewhile
 
 from aiokvo.keys import OffloadKey
@@ -52,8 +52,8 @@ class LRUCachePolicy(CachePolicy):
     def items(self) -> Iterator[tuple[OffloadKey, int]]:
         return iter(list(self._blocks.items()))
 
-    def membership(self) -> Callable[[object], bool]:
-        return self._blocks.__contains__
+    def membership_tables(self) -> tuple[Container[object], Container[object]]:
+        return self._blocks, frozenset()
 
     def block_ids(self, keys: Sequence[OffloadKey]) -> list[int]:
         return list(map(self._blocks.__getitem__, keys))
