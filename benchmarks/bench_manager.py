@@ -174,13 +174,12 @@ def bytes_per_block(capacity: int, policy: str) -> float:
     return (after - before) / capacity
 
 
-def scale_point(capacity: int, num_requests: int, policy: str, seed: int) -> Result:
-    """µs/request on a full manager of ``capacity`` blocks (prefix lookups)."""
-    trace = Trace.generate(capacity, num_requests, seed)
-    sequences = trace.key_lists()
-    manager = CPUOffloadingManager(capacity, policy)
-    filler = [(1 << 255 | i).to_bytes(HASH_BYTES, "big") + GROUP0 for i in range(capacity)]
-    fill(manager, filler)  # start full so every request pays for evictions
+def scale_point(trace: Trace, sequences: list[list[bytes]], policy: str) -> Result:
+    """µs/request on a manager that starts full, so every request pays for evictions."""
+    manager = CPUOffloadingManager(trace.capacity, policy)
+    filler = [(1 << 255 | i).to_bytes(HASH_BYTES, "big") + GROUP0
+              for i in range(trace.capacity)]
+    fill(manager, filler)
     del filler
     return replay(manager, sequences, trace.requests.tolist(), prefix=True)
 
@@ -316,14 +315,25 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(f"Scale: µs/req (prefix lookups) on a manager prefilled to capacity, "
               f"{args.scale_requests} requests, capacity {args.capacity} vs "
-              f"{args.scale_capacity} (universe 4x capacity):")
+              f"{args.scale_capacity} (universe 4x capacity), best of {args.repeat} "
+              f"interleaved rounds:")
+        small = Trace.generate(args.capacity, args.scale_requests, args.seed)
+        large = Trace.generate(args.scale_capacity, args.scale_requests, args.seed)
+        small_seqs, large_seqs = small.key_lists(), large.key_lists()
         for policy in policies:
-            small = scale_point(args.capacity, args.scale_requests, policy, args.seed)
-            large = scale_point(args.scale_capacity, args.scale_requests, policy, args.seed)
-            print(f"  {policy}: {small.us_per_req:.2f} µs (hit {small.hit_rate:.3f}) -> "
-                  f"{large.us_per_req:.2f} µs (hit {large.hit_rate:.3f}): "
-                  f"ratio {large.us_per_req / small.us_per_req:.2f}")
-        small_ns, large_ns = probe_ns(args.capacity), probe_ns(args.scale_capacity)
+            best: dict[int, Result] = {}
+            for _ in range(args.repeat):
+                for trace, seqs in ((small, small_seqs), (large, large_seqs)):
+                    r = scale_point(trace, seqs, policy)
+                    if trace.capacity not in best or r.us_per_req < best[trace.capacity].us_per_req:
+                        best[trace.capacity] = r
+            lo, hi = best[small.capacity], best[large.capacity]
+            print(f"  {policy}: {lo.us_per_req:.2f} µs (hit {lo.hit_rate:.3f}) -> "
+                  f"{hi.us_per_req:.2f} µs (hit {hi.hit_rate:.3f}): "
+                  f"ratio {hi.us_per_req / lo.us_per_req:.2f}")
+        del large, large_seqs
+        small_ns = min(probe_ns(args.capacity) for _ in range(args.repeat))
+        large_ns = min(probe_ns(args.scale_capacity) for _ in range(args.repeat))
         print(f"  control, one OrderedDict membership probe (random keys): "
               f"{small_ns:.0f} ns -> {large_ns:.0f} ns: ratio {large_ns / small_ns:.2f}")
     print(f"\n# total {time.perf_counter() - t0:.0f}s")
