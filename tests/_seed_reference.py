@@ -335,6 +335,10 @@ class RefCPUManager(OffloadingManager):
         """Every live key mapped to ``(block_id, ref_cnt)``."""
         return {key: (block.block_id, block.ref_cnt) for key, block in self.policy.items()}
 
+    def block_status(self, key: OffloadKey) -> RefBlock | None:
+        """The live block of ``key`` (same fields as aiokvo's ``BlockStatus``)."""
+        return self.policy.get(key)
+
     def ready_keys(self) -> set[OffloadKey]:
         return {key for key, (_, ref_cnt) in self.entries().items() if ref_cnt >= 0}
 
