@@ -197,9 +197,12 @@ async def test_auto_engine_uses_kernel_for_small_pages(rig: Rig) -> None:
     async with rig.handler(True, kernel_below_bytes=PAGE + 1, coalesce_copies=False) as out:
         assert out.kernel_ready
         assert (await out.transfer_async(1, store([0], [0]))).success
+        assert out.engine_counts == {"dma": 0, "kernel": 1}
     async with rig.handler(True, kernel_below_bytes=PAGE, coalesce_copies=False) as out:
         assert (await out.transfer_async(1, store([0], [0]))).success
-    assert rig.driver.calls["launch_kernel"] == 1
+        assert out.engine_counts == {"dma": 1, "kernel": 0}
+    # one smoke-test launch per handler at setup, plus the one real kernel transfer
+    assert rig.driver.calls["launch_kernel"] == 3
     assert rig.driver.calls["memcpy_batch_async"] == 1
 
 
@@ -304,7 +307,6 @@ def _pools_idle(handler: CudaOffloadingHandler) -> bool:
         ("stream_wait_event", "dma"),
         ("memcpy_batch_async", "dma"),
         ("launch_kernel", "kernel"),
-        ("host_alloc", "kernel"),
     ],
 )
 async def test_cuda_failure_at_submission_raises_and_leaks_nothing(
@@ -321,6 +323,23 @@ async def test_cuda_failure_at_submission_raises_and_leaks_nothing(
         assert result.success, result.error
         assert torch.equal(rig.cpu[0][1], rig.gpu[0][1])
     assert rig.driver.live_events == 0
+    assert rig.driver.live_host_allocations == 0
+
+
+@pytest.mark.parametrize("call", ["host_alloc", "compile_kernel", "launch_kernel"])
+async def test_kernel_setup_failure_falls_back_or_raises_without_leaks(
+    rig: Rig, call: str
+) -> None:
+    rig.driver.fail_call(call)
+    async with rig.handler(True) as out:
+        assert not out.kernel_ready
+        assert out.kernel_unavailable_reason is not None
+        assert call in out.kernel_unavailable_reason
+        assert (await out.transfer_async(1, store([2], [2]))).success
+    assert rig.driver.live_host_allocations == 0
+    rig.driver.fail_call(call)
+    with pytest.raises(CudaError, match=call):
+        rig.handler(True, engine="kernel")
     assert rig.driver.live_host_allocations == 0
 
 
@@ -377,7 +396,8 @@ async def test_references_are_kept_until_the_end_event_fires(rig: Rig) -> None:
         src_ptrs = weakref.ref(record.plan.src_ptrs)
         gc.collect()
         assert src_ptrs() is not None  # still referenced while the copy may run
-        assert out._kernel is not None and not out._kernel._free
+        assert out._kernel is not None
+        assert descriptors not in out._kernel._free.get(descriptors.capacity, [])
         assert record.stream is not None and out._streams.outstanding == 1
         gate.set()
         assert (await task).success

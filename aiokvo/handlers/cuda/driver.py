@@ -392,7 +392,10 @@ class RuntimeDriver:
                 module = program.compile("cubin")
             except Exception as exc:  # NVRTC missing or the source is rejected
                 raise CudaError("nvrtcCompileProgram", type(exc).__name__, -1, str(exc)) from exc
-            return module.get_kernel(name)
+            try:
+                return module.get_kernel(name)
+            except Exception as exc:  # the driver cannot load this cubin
+                raise CudaError("cuLibraryLoadData", type(exc).__name__, -1, str(exc)) from exc
 
     def _wrap_stream(self, core: Any, stream: int) -> Any:
         wrapper = self._stream_wrappers.get(stream)

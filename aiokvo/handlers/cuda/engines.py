@@ -213,6 +213,19 @@ class KernelEngine:
             raise
         return buffer
 
+    def smoke_test(self, stream: int) -> None:
+        """Launch over zero descriptors and wait: proves the kernel loads and runs here.
+
+        Module loading can be lazy, so without this a driver that cannot load
+        the cubin would fail every kernel transfer instead of the setup.
+        """
+        buffer = self._acquire(1)
+        try:
+            self._driver.launch_kernel(self._kernel, stream, 1, self._block, (buffer.device_ptr, 0))
+            self._driver.stream_synchronize(stream)
+        finally:
+            self.release(buffer)
+
     def close(self) -> None:
         """Free idle tables now; outstanding ones are freed on release."""
         with self._lock:

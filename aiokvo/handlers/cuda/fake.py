@@ -107,6 +107,7 @@ class FakeDriver:
         self._producer: int | None = None
         self._pending_gate: threading.Event | None = None
         self._pending_failure: CudaError | None = None
+        self.gate_timeout = 30.0  # a test that fails before opening a gate must not hang
         self._clock = itertools.count(1)
 
     # -- test controls --------------------------------------------------
@@ -138,7 +139,7 @@ class FakeDriver:
         gate = threading.Event()
 
         def wait() -> None:
-            gate.wait()
+            gate.wait(self.gate_timeout)
 
         self.enqueue_host(stream, wait)
         return gate
@@ -193,7 +194,7 @@ class FakeDriver:
 
         def run() -> None:
             if gate is not None:
-                gate.wait()
+                gate.wait(self.gate_timeout)
             if failure is not None:
                 stream.error = failure
                 return
@@ -400,6 +401,8 @@ class FakeDriver:
 
         def run_copy_kernel() -> None:
             # The descriptor layout of aiokvo.handlers.cuda.kernel: (src, dst, size) triples.
+            if count == 0:
+                return
             table = np.ctypeslib.as_array(
                 (ctypes.c_uint64 * (3 * count)).from_address(descriptors)
             ).reshape(count, 3)

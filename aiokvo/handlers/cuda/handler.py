@@ -18,6 +18,7 @@ transfer stay referenced until its completion event has fired; then
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -150,10 +151,19 @@ class CudaOffloadingHandler(SingleDirectionHandler):
     # ---------------------------------------------------------------- setup
     def _setup_kernel(self) -> None:
         """Compile the kernel and check CPU memory is device-mapped, or say why not."""
+        kernel: KernelEngine | None = None
         try:
             offset = _device_pointer_offset(self.driver, self._cpu_tensors)
             kernel = KernelEngine(self.driver)
+            stream = self._streams.acquire()
+            try:
+                kernel.smoke_test(stream)
+            finally:
+                self._streams.release(stream)
         except (CudaError, ConfigError) as exc:
+            if kernel is not None:
+                with contextlib.suppress(CudaError):
+                    kernel.close()
             if self._engine_mode == "kernel":
                 raise
             self.kernel_unavailable_reason = str(exc)
