@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.util
+import json
 import os
+import sys
 import threading
 import weakref
 from collections.abc import AsyncIterator, Iterator
@@ -554,3 +557,25 @@ def test_shared_region_pins_through_host_registration(fake: FakeDriver, tmp_path
     finally:
         region.close()
     assert fake.registered == {}
+
+
+def test_bench_cuda_runs_end_to_end_on_the_fake_driver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cuda.py"
+    spec = importlib.util.spec_from_file_location("bench_cuda", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_cuda", bench)  # dataclasses look it up
+    spec.loader.exec_module(bench)
+    args = ["--fake", "--out", str(tmp_path), "--iters", "1", "--total-mib", "1",
+            "--llama-pool-blocks", "64", "--latency-trials", "1"]
+    assert bench.main(args) == 0
+    report = json.loads((tmp_path / "bench_cuda.json").read_text())
+    assert report["meta"]["fake"] is True
+    methods = {(r["case"], r["direction"], r["method"]) for r in report["rows"]}
+    for case in ("sweep", "llama3-8b"):
+        for direction in ("GPU->CPU", "CPU->GPU"):
+            for method in ("ceiling", "dma", "kernel", "torch copy_ loop"):
+                assert (case, direction, method) in methods
+    assert "FAKE" in (tmp_path / "bench_cuda.md").read_text()
