@@ -65,7 +65,7 @@ fi
 
 # ---------------------------------------------------------------------- tests
 log "running CUDA tests (fake, driver, gpu)"
-timeout 300 "$PY" -m pytest -p no:cacheprovider -q -rs \
+timeout 240 "$PY" -m pytest -p no:cacheprovider -q -rs \
     tests/test_cuda_gpu.py tests/test_cuda_driver.py tests/test_cuda_fake.py \
     --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.txt"
 TESTS_RC=${PIPESTATUS[0]}
@@ -73,7 +73,7 @@ log "tests exit code: $TESTS_RC"
 
 # ------------------------------------------------------------------ benchmark
 log "running benchmarks/bench_cuda.py"
-timeout 240 "$PY" benchmarks/bench_cuda.py --out "$OUT" 2>&1 | tee "$OUT/bench.txt"
+timeout 200 "$PY" benchmarks/bench_cuda.py --out "$OUT" 2>&1 | tee "$OUT/bench.txt"
 BENCH_RC=${PIPESTATUS[0]}
 log "bench exit code: $BENCH_RC"
 

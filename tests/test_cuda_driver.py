@@ -138,6 +138,8 @@ def test_batch_copy_accepts_both_binding_generations(returned: tuple[Any, ...]) 
     )
     order = runtime.cudaMemcpySrcAccessOrder
     assert attrs[0].srcAccessOrder == order.cudaMemcpySrcAccessOrderStream
+    overlap = runtime.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
+    assert int(attrs[0].flags) == int(overlap)
     drv.memcpy_batch_async([1], [2], [3], 0x55, src_in_stream_order=False)
     assert stub.calls[1][1][4][0].srcAccessOrder == order.cudaMemcpySrcAccessOrderAny
 

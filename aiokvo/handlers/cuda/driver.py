@@ -322,7 +322,10 @@ class RuntimeDriver:
                 if src_in_stream_order
                 else order.cudaMemcpySrcAccessOrderAny
             )
-            attrs.flags = 0
+            # Ask for copy engines, so offloading overlaps the model's kernels.
+            flags = getattr(self._rt, "cudaMemcpyFlags", None)
+            overlap = getattr(flags, "cudaMemcpyFlagPreferOverlapWithCompute", 0)
+            attrs.flags = int(overlap)
             self._batch_attrs[src_in_stream_order] = attrs
         return attrs
 
