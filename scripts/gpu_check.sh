@@ -53,15 +53,32 @@ EOF
 cat "$OUT/env.txt"
 
 # ------------------------------------------------------------- test packages
-if ! "$PY" -c "import pytest, pytest_asyncio" 2>/dev/null; then
+have_test_deps() { "$PY" -c "import pytest, pytest_asyncio" 2>/dev/null; }
+if ! have_test_deps; then
     if [ -d wheels ]; then
         log "installing pytest/pytest-asyncio from ./wheels (no index)"
         "$PY" -m pip install --quiet --no-index --find-links wheels pytest pytest-asyncio \
-            || log "WARNING: pip install from wheels failed"
+            || log "pip install from wheels failed (no pip, or an externally managed Python)"
+        if ! have_test_deps; then
+            # Fallback without pip: wheels are zip archives; unpack them onto PYTHONPATH.
+            DEPS="${TMPDIR:-/tmp}/aiokvo_gpu_deps"
+            log "unpacking ./wheels into $DEPS"
+            "$PY" -c '
+import pathlib, sys, zipfile
+target = pathlib.Path(sys.argv[1])
+target.mkdir(parents=True, exist_ok=True)
+for wheel in sorted(pathlib.Path("wheels").glob("*-none-any.whl")):  # pure Python only
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(target)
+    print("unpacked", wheel.name)
+' "$DEPS"
+            export PYTHONPATH="$PYTHONPATH:$DEPS"
+        fi
     else
         log "WARNING: pytest-asyncio missing and no ./wheels folder was carried"
     fi
 fi
+have_test_deps || log "WARNING: pytest/pytest-asyncio still missing; the tests cannot run"
 
 # ---------------------------------------------------------------------- tests
 log "running CUDA tests (fake, driver, gpu)"
