@@ -98,6 +98,9 @@ log "bench exit code: $BENCH_RC"
     echo "# gpu_check summary"
     echo
     echo "- tests exit code: $TESTS_RC ($(tail -n 1 "$OUT/tests.txt" 2>/dev/null))"
+    if grep -q "needs a CUDA device" "$OUT/tests.txt" 2>/dev/null; then
+        echo "- WARNING: GPU tests were SKIPPED (no CUDA device found)"
+    fi
     echo "- bench exit code: $BENCH_RC"
     echo "- seconds: $(($(date +%s) - START))"
     echo
