@@ -16,6 +16,7 @@ Decisions are exactly the seed's; see docs/manager.md.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Collection, Container, Iterable, Sequence
 from itertools import islice
 
@@ -66,8 +67,12 @@ class CPUOffloadingManager(OffloadingManager):
         cache_policy: str | type[CachePolicy] = "lru",
         enable_events: bool = False,
     ) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
-            raise ConfigError(f"num_blocks must be an int, got {num_blocks!r}")
+        try:
+            if isinstance(num_blocks, bool):
+                raise TypeError
+            num_blocks = operator.index(num_blocks)  # ints, numpy ints; not floats
+        except TypeError:
+            raise ConfigError(f"num_blocks must be an int, got {num_blocks!r}") from None
         if num_blocks < 0:
             raise ConfigError(f"num_blocks must be >= 0, got {num_blocks!r}")
         self._num_blocks = num_blocks
