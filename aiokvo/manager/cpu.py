@@ -220,9 +220,10 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        keys = _as_sequence(keys)
         # Keys already held are skipped; a key listed twice is stored once.
-        new_keys = self._policy.uncached(keys)
+        # The same dict later serves as the set of protected keys.
+        named = dict.fromkeys(keys)
+        new_keys = self._policy.uncached(named)
         if not new_keys:
             return PrepareStoreOutput([], _cpu_spec([]), [])
 
@@ -231,7 +232,7 @@ class CPUOffloadingManager(OffloadingManager):
         evicted_keys: list[OffloadKey] = []
         if shortfall > 0:
             # Everything named by this call is protected, present or not.
-            exclude: list[Container[OffloadKey]] = [set(keys)]
+            exclude: list[Container[OffloadKey]] = [named]
             if self._writing:
                 exclude.append(self._writing)
             if self._pinned:

@@ -60,7 +60,7 @@ class ARCCachePolicy(CachePolicy):
 
     def uncached(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
         t1, t2 = self.t1, self.t2
-        return [key for key in dict.fromkeys(keys) if key not in t1 and key not in t2]
+        return [key for key in keys if key not in t2 and key not in t1]
 
     def prefix_len(self, keys: Iterable[OffloadKey]) -> int:
         t1, t2 = self.t1, self.t2

@@ -135,8 +135,8 @@ class CachePolicy(ABC):
         return ids
 
     def uncached(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
-        """The ``keys`` not cached, in order, each once (what a store must add)."""
-        return [key for key in dict.fromkeys(keys) if key not in self]
+        """The ``keys`` (distinct) that are not cached, in order: what a store adds."""
+        return [key for key in keys if key not in self]
 
     def prefix_len(self, keys: Iterable[OffloadKey]) -> int:
         """How many leading ``keys`` are cached (ready or not)."""

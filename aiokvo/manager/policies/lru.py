@@ -59,7 +59,7 @@ class LRUCachePolicy(CachePolicy):
         return list(map(self._blocks.__getitem__, keys))
 
     def uncached(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
-        return list(dict.fromkeys(filterfalse(self._blocks.__contains__, keys)))
+        return list(filterfalse(self._blocks.__contains__, keys))
 
     def prefix_len(self, keys: Iterable[OffloadKey]) -> int:
         return len(list(takewhile(self._blocks.__contains__, keys)))
