@@ -29,6 +29,7 @@ from aiokvo.handlers.plan import Int64Array, PointerPlan
 __all__ = [
     "DEFAULT_KERNEL_BELOW_BYTES",
     "DescriptorBuffer",
+    "DmaBatch",
     "DmaEngine",
     "EngineMode",
     "EngineName",
@@ -101,19 +102,29 @@ class DmaEngine:
     def __init__(self, driver: CudaDriver) -> None:
         self._driver = driver
 
-    def enqueue(self, stream: int, plan: PointerPlan, *, gpu_to_cpu: bool) -> None:
+    @staticmethod
+    def prepare(plan: PointerPlan) -> DmaBatch:
+        """Host-side work, done before the transfer's timing start event."""
+        return DmaBatch(plan.dst_ptrs.tolist(), plan.src_ptrs.tolist(), plan.sizes.tolist())
+
+    def enqueue(self, stream: int, batch: DmaBatch, *, gpu_to_cpu: bool) -> None:
         # GPU->CPU reads device memory written by earlier kernels on other
         # streams, so the source must be read in stream order; CPU->GPU
         # sources are pinned pages nobody writes meanwhile, so ANY is safe.
-        if len(plan) == 0:
+        if not batch.sizes:
             return
         self._driver.memcpy_batch_async(
-            plan.dst_ptrs.tolist(),
-            plan.src_ptrs.tolist(),
-            plan.sizes.tolist(),
-            stream,
-            src_in_stream_order=gpu_to_cpu,
+            batch.dsts, batch.srcs, batch.sizes, stream, src_in_stream_order=gpu_to_cpu
         )
+
+
+@dataclass(slots=True, frozen=True)
+class DmaBatch:
+    """A plan as the Python int lists the driver call takes."""
+
+    dsts: list[int]
+    srcs: list[int]
+    sizes: list[int]
 
 
 @dataclass(slots=True, eq=False)
@@ -123,6 +134,7 @@ class DescriptorBuffer:
     host_ptr: int
     device_ptr: int
     capacity: int  # descriptors
+    count: int = 0  # descriptors filled by the last prepare()
 
     def view(self, count: int) -> Int64Array:
         """The first ``count`` descriptors as a writable ``(count, 3)`` int64 array."""
@@ -186,32 +198,39 @@ class KernelEngine:
             self._all.remove(buffer)
         self._driver.host_free(buffer.host_ptr)
 
-    def enqueue(
-        self, stream: int, plan: PointerPlan, *, gpu_to_cpu: bool, pointer_offset: int = 0
+    def prepare(
+        self, plan: PointerPlan, *, gpu_to_cpu: bool, pointer_offset: int = 0
     ) -> DescriptorBuffer | None:
+        """Fill a pooled descriptor table (host work, before the timing start event).
+
+        The caller owns the table from here on and must :meth:`release` it
+        (after the launch that reads it has completed, if there was one).
+        """
         count = len(plan)
         if count == 0:
             return None
         buffer = self._acquire(count)
-        try:
-            table = buffer.view(count)
-            src, dst = plan.src_ptrs, plan.dst_ptrs
-            if pointer_offset:
-                if gpu_to_cpu:
-                    dst = dst + pointer_offset
-                else:
-                    src = src + pointer_offset
-            table[:, 0] = src
-            table[:, 1] = dst
-            table[:, 2] = plan.sizes
-            grid = min(count, self._max_grid)
-            self._driver.launch_kernel(
-                self._kernel, stream, grid, self._block, (buffer.device_ptr, count)
-            )
-        except BaseException:
-            self.release(buffer)
-            raise
+        table = buffer.view(count)
+        src, dst = plan.src_ptrs, plan.dst_ptrs
+        if pointer_offset:
+            if gpu_to_cpu:
+                dst = dst + pointer_offset
+            else:
+                src = src + pointer_offset
+        table[:, 0] = src
+        table[:, 1] = dst
+        table[:, 2] = plan.sizes
+        buffer.count = count
         return buffer
+
+    def enqueue(self, stream: int, buffer: DescriptorBuffer | None) -> None:
+        """Launch the kernel over a prepared table on ``stream``."""
+        if buffer is None or buffer.count == 0:
+            return
+        grid = min(buffer.count, self._max_grid)
+        self._driver.launch_kernel(
+            self._kernel, stream, grid, self._block, (buffer.device_ptr, buffer.count)
+        )
 
     def smoke_test(self, stream: int) -> None:
         """Launch over zero descriptors and wait: proves the kernel loads and runs here.

@@ -28,6 +28,7 @@ from aiokvo.handlers.cuda.driver import CudaDriver, RuntimeDriver, load_driver
 from aiokvo.handlers.cuda.engines import (
     DEFAULT_KERNEL_BELOW_BYTES,
     DescriptorBuffer,
+    DmaBatch,
     DmaEngine,
     EngineMode,
     EngineName,
@@ -223,6 +224,16 @@ class CudaOffloadingHandler(SingleDirectionHandler):
 
     def _enqueue(self, transfer: _Transfer) -> None:
         driver = self.driver
+        assert transfer.plan is not None
+        # Host-side preparation first, so the timing events bracket device work only.
+        batch: DmaBatch | None = None
+        if transfer.engine == "kernel":
+            assert self._kernel is not None
+            transfer.descriptors = self._kernel.prepare(
+                transfer.plan, gpu_to_cpu=self.gpu_to_cpu, pointer_offset=self._pointer_offset
+            )
+        else:
+            batch = self._dma.prepare(transfer.plan)
         stream = transfer.stream = self._streams.acquire()
         transfer.end = self._events.acquire()
         if self._timing_events is not None:
@@ -235,17 +246,11 @@ class CudaOffloadingHandler(SingleDirectionHandler):
             driver.stream_wait_event(stream, self._last_end)
         if transfer.timing is not None:
             driver.event_record(transfer.timing[0], stream)
-        assert transfer.plan is not None
-        if transfer.engine == "kernel":
+        if batch is None:
             assert self._kernel is not None
-            transfer.descriptors = self._kernel.enqueue(
-                stream,
-                transfer.plan,
-                gpu_to_cpu=self.gpu_to_cpu,
-                pointer_offset=self._pointer_offset,
-            )
+            self._kernel.enqueue(stream, transfer.descriptors)
         else:
-            self._dma.enqueue(stream, transfer.plan, gpu_to_cpu=self.gpu_to_cpu)
+            self._dma.enqueue(stream, batch, gpu_to_cpu=self.gpu_to_cpu)
         if transfer.timing is not None:
             driver.event_record(transfer.timing[1], stream)
         driver.event_record(transfer.end, stream)
