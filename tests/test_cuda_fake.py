@@ -372,6 +372,26 @@ async def test_bad_input_raises_before_anything_is_enqueued(rig: Rig) -> None:
         assert sum(rig.driver.calls.values()) == before
 
 
+async def test_failure_creating_the_second_timing_event_leaks_nothing(rig: Rig) -> None:
+    async with rig.handler(False) as back:
+        original = rig.driver.event_create
+        count = 0
+
+        def flaky(*, timing: bool) -> int:
+            nonlocal count
+            count += 1
+            if count == 3:  # end event, timing start, then the timing stop fails
+                raise CudaError("cudaEventCreateWithFlags", "cudaErrorMemoryAllocation", 2)
+            return original(timing=timing)
+
+        rig.driver.event_create = flaky  # type: ignore[method-assign]
+        with pytest.raises(CudaError, match="cudaErrorMemoryAllocation"):
+            back.transfer_async(1, load([0], [0]))
+        assert _pools_idle(back)
+        assert back._timing_events is not None and back._timing_events.idle == 1
+        assert (await back.transfer_async(1, load([0], [0]))).success
+
+
 def test_gpu_tensors_need_matching_cpu_tensors(fake: FakeDriver) -> None:
     with pytest.raises(ConfigError, match="2 GPU tensors but 1 CPU"):
         CudaOffloadingHandler(

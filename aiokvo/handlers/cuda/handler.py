@@ -69,7 +69,7 @@ class _Transfer:
         self.stream: int | None = None
         self.end: int | None = None
         self.producer_event: int | None = None
-        self.timing: tuple[int, int] | None = None
+        self.timing: list[int] = []  # start, stop (filled one by one: no leak on failure)
         self.plan: PointerPlan | None = None
         self.descriptors: DescriptorBuffer | None = None
         self.engine: EngineName = "dma"
@@ -116,6 +116,12 @@ class CudaOffloadingHandler(SingleDirectionHandler):
             raise ConfigError(f"kernel_below_bytes must be an int, got {kernel_below_bytes!r}")
         if kernel_below_bytes < 0:
             raise ConfigError(f"kernel_below_bytes must be >= 0, got {kernel_below_bytes}")
+        if (
+            isinstance(block_size_factor, bool)
+            or not isinstance(block_size_factor, int)
+            or block_size_factor < 1
+        ):
+            raise ConfigError(f"block_size_factor must be an int >= 1, got {block_size_factor!r}")
         if len(gpu_tensors) != len(cpu_tensors):
             raise ConfigError(
                 f"{len(gpu_tensors)} GPU tensors but {len(cpu_tensors)} CPU tensors"
@@ -237,21 +243,22 @@ class CudaOffloadingHandler(SingleDirectionHandler):
         stream = transfer.stream = self._streams.acquire()
         transfer.end = self._events.acquire()
         if self._timing_events is not None:
-            transfer.timing = (self._timing_events.acquire(), self._timing_events.acquire())
+            transfer.timing.append(self._timing_events.acquire())
+            transfer.timing.append(self._timing_events.acquire())
         if self.gpu_to_cpu:
             transfer.producer_event = self._events.acquire()
             driver.event_record(transfer.producer_event, self._producer_stream())
             driver.stream_wait_event(stream, transfer.producer_event)
         if self._last_end is not None:
             driver.stream_wait_event(stream, self._last_end)
-        if transfer.timing is not None:
+        if transfer.timing:
             driver.event_record(transfer.timing[0], stream)
         if batch is None:
             assert self._kernel is not None
             self._kernel.enqueue(stream, transfer.descriptors)
         else:
             self._dma.enqueue(stream, batch, gpu_to_cpu=self.gpu_to_cpu)
-        if transfer.timing is not None:
+        if transfer.timing:
             driver.event_record(transfer.timing[1], stream)
         driver.event_record(transfer.end, stream)
 
@@ -274,7 +281,7 @@ class CudaOffloadingHandler(SingleDirectionHandler):
         self._return(transfer, clean=clean)
 
     def _elapsed_for(self, transfer: _Transfer) -> Callable[[], float | None] | None:
-        if transfer.timing is None:
+        if not transfer.timing:
             return None
         start, stop = transfer.timing
         return lambda: self.driver.event_elapsed_ms(start, stop) * 1e-3
@@ -314,7 +321,7 @@ class CudaOffloadingHandler(SingleDirectionHandler):
         give(self._streams, transfer.stream)
         give(self._events, transfer.end)
         give(self._events, transfer.producer_event)
-        if transfer.timing is not None and self._timing_events is not None:
+        if self._timing_events is not None:
             for handle in transfer.timing:
                 give(self._timing_events, handle)
         if transfer.descriptors is not None and self._kernel is not None:
@@ -323,7 +330,7 @@ class CudaOffloadingHandler(SingleDirectionHandler):
             except CudaError as exc:
                 errors.append(exc)
         transfer.stream = transfer.end = transfer.producer_event = None
-        transfer.timing = None
+        transfer.timing = []
         transfer.descriptors = None
         transfer.plan = None
         if errors:
