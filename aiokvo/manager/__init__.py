@@ -1,0 +1,25 @@
+"""The pure core: offloading managers and their cache policies (no asyncio, no CUDA)."""
+
+from aiokvo.manager.base import EventSink, OffloadingManager, OverflowPolicy
+from aiokvo.manager.cpu import CPUOffloadingManager
+from aiokvo.manager.policies import (
+    ARCCachePolicy,
+    BlockStatus,
+    CachePolicy,
+    LRUCachePolicy,
+    resolve_policy,
+)
+from aiokvo.manager.reuse import FilterReusedOffloadingManager
+
+__all__ = [
+    "ARCCachePolicy",
+    "BlockStatus",
+    "CPUOffloadingManager",
+    "CachePolicy",
+    "EventSink",
+    "FilterReusedOffloadingManager",
+    "LRUCachePolicy",
+    "OffloadingManager",
+    "OverflowPolicy",
+    "resolve_policy",
+]
