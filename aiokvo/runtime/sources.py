@@ -10,6 +10,7 @@ it into a failed future without knowing anything about the backend.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 __all__ = ["CompletionSource", "HostEvent"]
@@ -32,21 +33,41 @@ class HostEvent:
     """A completion source set by a host worker thread.
 
     ``set()`` marks success and ``set_exception()`` failure; either may be
-    called once from any thread.
+    called once from any thread. It is also a ``NotifyingSource``: the
+    completing thread wakes the poller itself, so the ``thread`` poller mode
+    needs no waiter thread for host copies.
     """
 
-    __slots__ = ("_error", "_event")
+    __slots__ = ("_error", "_event", "_lock", "_wakes")
 
     def __init__(self) -> None:
         self._event = threading.Event()
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._wakes: list[Callable[[], None]] = []
 
     def set(self) -> None:
         self._event.set()
+        self._fire()
 
     def set_exception(self, error: BaseException) -> None:
         self._error = error
         self._event.set()
+        self._fire()
+
+    def notify_when_done(self, wake: Callable[[], None]) -> None:
+        """Call ``wake()`` once when complete (at once if already complete)."""
+        with self._lock:
+            if not self._event.is_set():
+                self._wakes.append(wake)
+                return
+        wake()
+
+    def _fire(self) -> None:
+        with self._lock:
+            wakes, self._wakes = self._wakes, []
+        for wake in wakes:
+            wake()
 
     def query(self) -> bool:
         if not self._event.is_set():
