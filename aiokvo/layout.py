@@ -39,7 +39,7 @@ EngineKVCaches: TypeAlias = "Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
 """One group of layers (a name→tensor mapping or a list), or a list of such groups."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # tensors have no boolean ==; compare by identity
 class CanonicalKVCacheTensor:
     """A 2-D int8 tensor with one row per block.
 

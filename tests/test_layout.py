@@ -132,3 +132,12 @@ def test_caches_validate_refs_and_devices() -> None:
         CanonicalKVCacheRef(0, 0)
     caches = CanonicalKVCaches([t], [[CanonicalKVCacheRef(0, 8)], []])
     assert caches.num_groups == 2 and caches.copied_bytes_per_block(0) == 8
+
+
+def test_caches_compare_and_hash_without_touching_tensor_data() -> None:
+    layer = torch.zeros(4, 16)
+    a = CanonicalKVCaches.from_engine([layer])
+    b = CanonicalKVCaches.from_engine([layer])
+    assert a.tensors[0] == a.tensors[0] and a.tensors[0] != b.tensors[0]  # identity
+    assert a == a and a != b  # no "ambiguous truth value" from tensor ==
+    assert len({a.tensors[0], b.tensors[0]}) == 2
