@@ -477,8 +477,10 @@ def _load_quickstart() -> object:
     return module
 
 
-DEMO_ARGS = ["--requests", "60", "--prefixes", "8", "--layers", "2", "--gpu-blocks", "96",
-             "--cpu-blocks", "24", "--kv-heads", "2", "--head-dim", "64"]  # fmt: skip
+# Few prefixes and little concurrency: plenty of reloads in every run, whatever the timing.
+DEMO_ARGS = ["--requests", "60", "--prefixes", "4", "--layers", "2", "--gpu-blocks", "96",
+             "--cpu-blocks", "48", "--kv-heads", "2", "--head-dim", "64",
+             "--concurrency", "2"]  # fmt: skip
 
 
 def test_quickstart_demo_verifies_every_reload(capsys: pytest.CaptureFixture[str]) -> None:

@@ -163,14 +163,22 @@ class HostOffloadingHandler(SingleDirectionHandler):
             self._dst_spaces,
             self.block_size_factor,
         )
+        runs: dict[int, int | None] = {}  # tensors of one group share their index arrays
+
+        def run_start(rows: Int64Array) -> int | None:
+            key = id(rows)
+            if key not in runs:
+                runs[key] = _run_start(rows)
+            return runs[key]
+
         copies = [
             HostCopy(
                 self._pages(True, c.tensor_idx, plan.src_factor, c.nbytes),
                 self._pages(False, c.tensor_idx, plan.dst_factor, c.nbytes),
                 c.src_rows,
                 c.dst_rows,
-                _run_start(c.src_rows),
-                _run_start(c.dst_rows),
+                run_start(c.src_rows),
+                run_start(c.dst_rows),
             )
             for c in plan.row_copies()
         ]

@@ -305,15 +305,16 @@ def plan_transfer(
         refs = tuple(group_data_refs[g])
         if size == 0 or not refs:
             continue
-        for ref in refs:
-            where = f"group {g}, tensor {ref.tensor_idx}"
-            _check_ids_in_range(gpu_ids, gpu_spaces[ref.tensor_idx].num_rows, "GPU block id", where)
-            _check_ids_in_range(
-                offload_ids,
-                offload_spaces[ref.tensor_idx].num_rows,
-                f"{offload_spec.medium()} block id",
-                where,
-            )
+        # One min/max per side, checked against the smallest tensor the group touches.
+        gpu_rows, gpu_t = min((gpu_spaces[r.tensor_idx].num_rows, r.tensor_idx) for r in refs)
+        off_rows, off_t = min((offload_spaces[r.tensor_idx].num_rows, r.tensor_idx) for r in refs)
+        _check_ids_in_range(gpu_ids, gpu_rows, "GPU block id", f"group {g}, tensor {gpu_t}")
+        _check_ids_in_range(
+            offload_ids,
+            off_rows,
+            f"{offload_spec.medium()} block id",
+            f"group {g}, tensor {off_t}",
+        )
         offload_rows = _sub_rows(offload_ids, factor, skip, size)
         src_rows, dst_rows = (gpu_ids, offload_rows) if gpu_is_src else (offload_rows, gpu_ids)
         groups.append(_GroupRows(src_rows, dst_rows, refs))
