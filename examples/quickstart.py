@@ -63,7 +63,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu-blocks", type=int, default=320)
     p.add_argument("--cpu-blocks", type=int, default=256, help="CPU pool, in blocks")
     p.add_argument("--prefixes", type=int, default=64, help="distinct shared prefixes")
-    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--requests", type=int, default=1200)
     p.add_argument("--concurrency", type=int, default=6, help="requests in flight")
     p.add_argument("--policy", choices=["lru", "arc"], default="lru")
     p.add_argument("--seed", type=int, default=0)
