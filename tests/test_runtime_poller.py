@@ -21,10 +21,21 @@ from aiokvo.runtime.poller import (
 )
 from aiokvo.runtime.sources import HostEvent
 
+
+class WaitOnlyEvent(HostEvent):
+    """A HostEvent the poller can only query or wait on (as it waits on a CUDA event).
+
+    ``HostEvent`` wakes the poller itself; hiding ``notify_when_done`` makes
+    these tests exercise the polling and waiter-thread paths device sources use.
+    """
+
+    notify_when_done = None  # type: ignore[assignment]
+
+
 MODES = get_args(PollerMode)
 
 
-class CountingSource(HostEvent):
+class CountingSource(WaitOnlyEvent):
     """A HostEvent that counts how often it was polled."""
 
     __slots__ = ("queries",)
@@ -55,7 +66,7 @@ async def poller() -> EventPoller:
 @pytest.mark.parametrize("mode", MODES)
 async def test_watch_resolves_each_lane_in_order(mode: PollerMode, poller: EventPoller) -> None:
     order: list[tuple[str, int]] = []
-    sources = {lane: [HostEvent() for _ in range(20)] for lane in ("a", "b")}
+    sources = {lane: [WaitOnlyEvent() for _ in range(20)] for lane in ("a", "b")}
     futures = []
     for lane, lane_sources in sources.items():
         for i, source in enumerate(lane_sources):
@@ -78,7 +89,7 @@ async def test_watch_resolves_each_lane_in_order(mode: PollerMode, poller: Event
 async def test_a_failed_source_fails_its_future_and_later_ones_still_resolve(
     mode: PollerMode, poller: EventPoller
 ) -> None:
-    bad, good = HostEvent(), HostEvent()
+    bad, good = WaitOnlyEvent(), WaitOnlyEvent()
     bad_future = poller.watch("lane", bad, mode=mode)
     good_future = poller.watch("lane", good, mode=mode)
     error = OSError("copy failed")
@@ -129,7 +140,7 @@ async def test_one_poller_per_loop(poller: EventPoller) -> None:
 @pytest.mark.parametrize("mode", MODES)
 async def test_an_idle_poller_uses_no_cpu_and_schedules_nothing(mode: PollerMode) -> None:
     poller = EventPoller(mode=mode, idle_thread_timeout=0.05)
-    source = HostEvent()
+    source = WaitOnlyEvent()
     future = poller.watch("lane", source)
     asyncio.get_running_loop().call_later(0.002, source.set)
     await asyncio.wait_for(future, 5)
@@ -146,7 +157,7 @@ async def test_an_idle_poller_uses_no_cpu_and_schedules_nothing(mode: PollerMode
 @pytest.mark.parametrize("mode", ["adaptive", "thread"])
 async def test_a_long_wait_does_not_spin(mode: PollerMode) -> None:
     poller = EventPoller(mode=mode, spin_budget=0.001)
-    source = HostEvent()
+    source = WaitOnlyEvent()
     future = poller.watch("lane", source)
     await asyncio.sleep(0.01)  # past the spin budget
     wall0, cpu0 = time.perf_counter(), time.process_time()
@@ -161,7 +172,7 @@ async def test_a_long_wait_does_not_spin(mode: PollerMode) -> None:
 async def test_thread_mode_restarts_a_waiter_that_exited_while_idle() -> None:
     poller = EventPoller(mode="thread", idle_thread_timeout=0.02)
     for _ in range(3):
-        source = HostEvent()
+        source = WaitOnlyEvent()
         future = poller.watch("lane", source)
         threading.Timer(0.001, source.set).start()
         await asyncio.wait_for(future, 5)
@@ -171,7 +182,7 @@ async def test_thread_mode_restarts_a_waiter_that_exited_while_idle() -> None:
 @pytest.mark.parametrize("mode", MODES)
 async def test_close_fails_pending_callbacks_and_refuses_new_work(mode: PollerMode) -> None:
     poller = EventPoller(mode=mode)
-    source = HostEvent()
+    source = WaitOnlyEvent()
     future = poller.watch("lane", source)
     await asyncio.sleep(0.005)
     poller.close()
@@ -179,7 +190,7 @@ async def test_close_fails_pending_callbacks_and_refuses_new_work(mode: PollerMo
     with pytest.raises(PollerClosedError):
         await future
     with pytest.raises(PollerClosedError):
-        poller.watch("lane", HostEvent())
+        poller.watch("lane", WaitOnlyEvent())
     source.set()
     fresh = EventPoller.current()
     assert fresh is not poller and not fresh.closed
@@ -195,7 +206,7 @@ async def test_a_raising_callback_is_reported_and_polling_goes_on(mode: PollerMo
     def explode(error: BaseException | None) -> None:
         raise ValueError("callback bug")
 
-    first, second = HostEvent(), HostEvent()
+    first, second = WaitOnlyEvent(), WaitOnlyEvent()
     poller.add_callback("lane", first, explode)
     future = poller.watch("lane", second)
     first.set()
@@ -239,7 +250,7 @@ async def test_sources_already_done_when_watched_keep_their_place(mode: PollerMo
     pending: list[HostEvent] = []
     futures = []
     for i in range(60):
-        source = HostEvent()
+        source = WaitOnlyEvent()
         if i % 3 == 0:
             source.set()  # e.g. an empty copy: finished before it is watched
         else:
@@ -264,7 +275,7 @@ async def test_sources_already_done_when_watched_keep_their_place(mode: PollerMo
 
 async def test_thread_mode_skips_the_thread_for_sources_already_done() -> None:
     poller = EventPoller(mode="thread")
-    done = HostEvent()
+    done = WaitOnlyEvent()
     done.set()
     await asyncio.wait_for(poller.watch("lane", done), 5)
     assert poller.active_threads == 0

@@ -29,10 +29,26 @@ def test_run_falls_back_to_asyncio_without_uvloop(monkeypatch: pytest.MonkeyPatc
     assert run(main()).startswith("asyncio")
 
 
+class _WaitOnlySource:
+    """A source the poller can only wait on (no ``notify_when_done``), so it needs a thread."""
+
+    def __init__(self) -> None:
+        self._event = HostEvent()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def query(self) -> bool:
+        return self._event.query()
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+
+
 def test_run_closes_the_loop_poller_and_its_threads() -> None:
     async def main() -> EventPoller:
         poller = EventPoller.current()
-        source = HostEvent()
+        source = _WaitOnlySource()
         future = poller.watch("lane", source, mode="thread")
         asyncio.get_running_loop().call_later(0.001, source.set)
         await future
