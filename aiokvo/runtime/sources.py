@@ -15,6 +15,8 @@ from typing import Protocol, runtime_checkable
 
 __all__ = ["CompletionSource", "HostEvent"]
 
+_LAZY_LOCK = threading.Lock()
+
 
 @runtime_checkable
 class CompletionSource(Protocol):
@@ -29,19 +31,59 @@ class CompletionSource(Protocol):
         ...
 
 
+class _Flag:
+    """The part of ``threading.Event`` a :class:`HostEvent` uses, made cheap.
+
+    A ``threading.Event`` builds a ``Condition`` in Python (several
+    microseconds); one ``HostEvent`` is made per host transfer, and almost
+    nobody blocks on it (the poller is woken by ``notify_when_done``). So
+    the flag is a plain attribute and the real event is only made for a
+    thread that actually waits.
+    """
+
+    __slots__ = ("_blocker", "_flag")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._blocker: threading.Event | None = None
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def set(self) -> None:
+        # Flag first, then look for a blocker; ``wait`` installs its blocker first,
+        # then looks at the flag: one of the two always sees the other.
+        self._flag = True
+        blocker = self._blocker
+        if blocker is not None:
+            blocker.set()
+
+    def wait(self) -> None:
+        if self._flag:
+            return
+        with _LAZY_LOCK:
+            if self._blocker is None:
+                self._blocker = threading.Event()
+            blocker = self._blocker
+        if not self._flag:
+            blocker.wait()
+
+
 class HostEvent:
     """A completion source set by a host worker thread.
 
     ``set()`` marks success and ``set_exception()`` failure; either may be
     called once from any thread. It is also a ``NotifyingSource``: the
     completing thread wakes the poller itself, so the ``thread`` poller mode
-    needs no waiter thread for host copies.
+    needs no waiter thread for host copies. Made once per host transfer, so
+    it is kept cheap (no ``threading.Event`` unless a thread blocks in
+    :meth:`synchronize`).
     """
 
     __slots__ = ("_error", "_event", "_lock", "_wakes")
 
     def __init__(self) -> None:
-        self._event = threading.Event()
+        self._event = _Flag()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._wakes: list[Callable[[], None]] = []
