@@ -42,6 +42,7 @@ SETTINGS = settings(
     max_examples=200,
     stateful_step_count=100,
     derandomize=True,
+    database=None,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -79,7 +80,7 @@ class ManagerMachine(RuleBasedStateMachine):
         # What the outputs alone say about the pool, kept without the reference.
         self.held: dict[OffloadKey, int] = {}
         self.writing: set[OffloadKey] = set()
-        self.pins: Counter[OffloadKey] = Counter()
+        self.loads: list[list[OffloadKey]] = []
         self.replayed: set[OffloadKey] = set()
         self.evicted: set[OffloadKey] = set()
 
@@ -146,7 +147,8 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         assert ids(self.impl.prepare_load(keys, CTX)) == expected
         assert expected == [self.held[key] for key in keys]
-        self.pins.update(keys)
+        if keys:
+            self.loads.append(keys)
 
     @precondition(lambda self: bool(self.ready_now()))
     @rule(data=st.data())
@@ -154,15 +156,17 @@ class ManagerMachine(RuleBasedStateMachine):
         keys = data.draw(st.lists(st.sampled_from(sorted(self.ready_now())), max_size=3))
         self.prepare_load(keys)
 
-    @precondition(lambda self: bool(self.pins))
+    @precondition(lambda self: bool(self.loads))
     @rule(data=st.data())
     def complete_load(self, data: st.DataObject) -> None:
-        key = data.draw(st.sampled_from(sorted(self.pins)))
-        self.ref.complete_load([key])
-        self.impl.complete_load([key])
-        self.pins[key] -= 1
-        if not self.pins[key]:
-            del self.pins[key]
+        """Release the pins of one earlier load, as a finished transfer would."""
+        keys = self.loads.pop(data.draw(st.integers(0, len(self.loads) - 1)))
+        self.ref.complete_load(keys)
+        self.impl.complete_load(keys)
+
+    @property
+    def pins(self) -> Counter[OffloadKey]:
+        return Counter(key for keys in self.loads for key in keys)
 
     @rule(keys=key_lists)
     def touch(self, keys: list[OffloadKey]) -> None:
@@ -201,6 +205,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def blocks_agree_with_the_reference(self) -> None:
         if not hasattr(self, "held"):
             return
+        pins = self.pins
         for key in KEYS:
             # The cores are pure on lookup (the reuse wrapper would count it).
             assert self.impl_core.lookup(key, CTX) == self.ref_core.lookup(key, CTX)
@@ -209,10 +214,10 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert status is None
                 continue
             assert status is not None
-            ref_cnt = -1 if key in self.writing else self.pins[key]
+            ref_cnt = -1 if key in self.writing else pins[key]
             assert (status.block_id, status.ref_cnt) == (self.held[key], ref_cnt)
         assert self.ref_core.entries() == {
-            key: (block_id, -1 if key in self.writing else self.pins[key])
+            key: (block_id, -1 if key in self.writing else pins[key])
             for key, block_id in self.held.items()
         }
 
