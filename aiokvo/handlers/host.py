@@ -24,7 +24,9 @@ transfer (``TransferResult.success`` is false and ``error`` is the exception).
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,7 +36,7 @@ import torch
 
 from aiokvo.errors import ConfigError, LayoutError, TransferSpecError
 from aiokvo.handlers.base import SingleDirectionHandler, Submission
-from aiokvo.handlers.plan import Int64Array, RowSpace, plan_transfer
+from aiokvo.handlers.plan import Int64Array, TransferPlanner
 from aiokvo.handlers.task import DEFAULT_MAX_BUFFERED
 from aiokvo.layout import CanonicalKVCaches
 from aiokvo.runtime.poller import PollerMode
@@ -139,14 +141,12 @@ class HostOffloadingHandler(SingleDirectionHandler):
         gpu = [t.tensor for t in kv_caches.tensors]
         cpu = list(self.cpu_tensors)
         src, dst = (gpu, cpu) if gpu_to_cpu else (cpu, gpu)
-        self._src_spaces = tuple(RowSpace.of(t) for t in src)
-        self._dst_spaces = tuple(RowSpace.of(t) for t in dst)
+        self._planner = TransferPlanner(kv_caches.group_data_refs, src, dst, block_size_factor)
         self._src_tensors, self._dst_tensors = src, dst
         self._page_views: dict[tuple[bool, int, int, int], np.ndarray] = {}
         self._copy_fn: CopyFn = copy_fn or self._copy_in_parallel
         direction = "g2c" if gpu_to_cpu else "c2g"
-        # Threads start lazily, on the first transfer.
-        self._dispatch = ThreadPoolExecutor(1, thread_name_prefix=f"aiokvo-host-{direction}")
+        self._dispatch = _DispatchThread(f"aiokvo-host-{direction}")
         self._helpers = (
             ThreadPoolExecutor(copy_threads - 1, thread_name_prefix=f"aiokvo-host-{direction}-h")
             if copy_threads > 1
@@ -155,55 +155,35 @@ class HostOffloadingHandler(SingleDirectionHandler):
         self._lane = (type(self).__name__, direction, id(self))
 
     def _submit(self, job_id: int, spec: TransferSpec) -> Submission:
-        src_spec, dst_spec = _check_route(spec, self.transfer_type)
-        plan = plan_transfer(
-            (src_spec, dst_spec),
-            self.kv_caches.group_data_refs,
-            self._src_spaces,
-            self._dst_spaces,
-            self.block_size_factor,
-        )
-        runs: dict[int, int | None] = {}  # tensors of one group share their index arrays
-
-        def run_start(rows: Int64Array) -> int | None:
-            key = id(rows)
-            if key not in runs:
-                runs[key] = _run_start(rows)
-            return runs[key]
-
-        copies = [
-            HostCopy(
-                self._pages(True, c.tensor_idx, plan.src_factor, c.nbytes),
-                self._pages(False, c.tensor_idx, plan.dst_factor, c.nbytes),
-                c.src_rows,
-                c.dst_rows,
-                run_start(c.src_rows),
-                run_start(c.dst_rows),
+        plan = self._planner.plan(_check_route(spec, self.transfer_type))
+        pages = self._pages
+        copies: list[HostCopy] = []
+        src_rows = dst_rows = None  # tensors of one group share their index arrays
+        src_start = dst_start = None
+        for c in plan.row_copies():
+            if c.src_rows is not src_rows:
+                src_rows, src_start = c.src_rows, _run_start(c.src_rows)
+            if c.dst_rows is not dst_rows:
+                dst_rows, dst_start = c.dst_rows, _run_start(c.dst_rows)
+            copies.append(
+                HostCopy(
+                    pages(True, c.tensor_idx, plan.src_factor, c.nbytes),
+                    pages(False, c.tensor_idx, plan.dst_factor, c.nbytes),
+                    c.src_rows,
+                    c.dst_rows,
+                    src_start,
+                    dst_start,
+                )
             )
-            for c in plan.row_copies()
-        ]
-        event = HostEvent()
-        timing = _Timing()
-        copy_fn = self._copy_fn
-
-        def run() -> None:
-            timing.start = time.perf_counter()
-            try:
-                copy_fn(copies)
-            except BaseException as exc:
-                event.set_exception(exc)
-            else:
-                timing.end = time.perf_counter()
-                event.set()
-
-        self._dispatch.submit(run)
+        event = _TimedHostEvent()
+        self._dispatch.submit(self._copy_fn, copies, event)
         return Submission(
-            source=event, transfer_size=plan.total_bytes, lane=self._lane, elapsed=timing.elapsed
+            source=event, transfer_size=plan.total_bytes, lane=self._lane, elapsed=event.elapsed
         )
 
     async def _close_backend(self) -> None:
         # Everything in flight has finished, so the threads are idle: joining is instant.
-        self._dispatch.shutdown(wait=True)
+        self._dispatch.shutdown()
         if self._helpers is not None:
             self._helpers.shutdown(wait=True)
 
@@ -234,17 +214,91 @@ class HostOffloadingHandler(SingleDirectionHandler):
         return view
 
 
-class _Timing:
-    """Copy start/end as seen by the dispatch thread (queueing time excluded)."""
+class _TimedHostEvent(HostEvent):
+    """The transfer's completion source, also holding the copy's start and end as
+    seen by the dispatch thread (queueing time excluded): one object per transfer."""
 
     __slots__ = ("end", "start")
 
     def __init__(self) -> None:
+        super().__init__()
         self.start = 0.0
         self.end = 0.0
 
     def elapsed(self) -> float | None:
         return self.end - self.start if self.end else None
+
+
+_Job = tuple[CopyFn, Sequence[HostCopy], _TimedHostEvent]
+
+
+class _DispatchThread:
+    """One thread running a handler's copies in submission order (FIFO per direction).
+
+    Cheaper per transfer than a ``ThreadPoolExecutor`` (no ``Future``, no
+    work-item, no wake-up while the thread is busy): ``submit`` appends to a
+    deque and only takes the lock to wake the thread when it sleeps. The
+    thread drains everything queued before it sleeps again, so a burst of
+    small transfers costs one wake-up. It exits after ``idle_timeout``
+    seconds without work and starts again on the next submission.
+    """
+
+    def __init__(self, name: str, idle_timeout: float = 5.0) -> None:
+        self._name = name
+        self._idle_timeout = idle_timeout
+        self._queue: deque[_Job] = deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._thread: threading.Thread | None = None
+        self._idle = True  # true from before the thread looks for work until it runs again
+        self._shutdown = False
+
+    def submit(self, copy_fn: CopyFn, copies: Sequence[HostCopy], event: _TimedHostEvent) -> None:
+        if self._shutdown:
+            raise RuntimeError(f"{self._name} was shut down")
+        self._queue.append((copy_fn, copies, event))
+        # The thread sets _idle (under the lock) *before* its last look at the queue,
+        # and we look at _idle *after* appending: one of the two sees the other.
+        if self._idle:
+            with self._cond:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                    self._idle = False
+                    self._thread.start()
+                else:
+                    self._cond.notify()
+
+    def shutdown(self) -> None:
+        """Stop the thread once the queue is empty, and join it."""
+        with self._cond:
+            self._shutdown = True
+            thread = self._thread
+            self._cond.notify()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _run(self) -> None:
+        queue = self._queue
+        cond = self._cond
+        while True:
+            while queue:
+                copy_fn, copies, event = queue.popleft()
+                event.start = time.perf_counter()
+                try:
+                    copy_fn(copies)
+                except BaseException as exc:  # the copy's failure is the transfer's result
+                    event.set_exception(exc)
+                else:
+                    event.end = time.perf_counter()
+                    event.set()
+            with cond:
+                self._idle = True
+                if not queue and not self._shutdown:
+                    cond.wait(self._idle_timeout)
+                if queue:
+                    self._idle = False
+                    continue
+                self._thread = None  # idle too long, or shut down: the next submit restarts
+                return
 
 
 def _page_elements(tensor: torch.Tensor, factor: int, nbytes: int) -> np.ndarray:
@@ -310,6 +364,8 @@ def _run_start(rows: Int64Array) -> int | None:
     n = int(rows.shape[0])
     if n == 0:
         return None
+    if n == 1:
+        return int(rows[0])
     first = int(rows[0])
     if int(rows[-1]) - first != n - 1:
         return None

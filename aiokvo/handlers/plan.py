@@ -45,6 +45,7 @@ __all__ = [
     "RowSpace",
     "TensorLike",
     "TransferPlan",
+    "TransferPlanner",
     "compute_sub_block_ptrs",
     "plan_copy_ptrs",
     "plan_transfer",
@@ -210,6 +211,16 @@ class TransferPlan:
 
     def row_copies(self) -> list[RowCopy]:
         """One :class:`RowCopy` per (tensor, page size), merging all groups."""
+        if len(self._groups) == 1:  # the common case: nothing to merge unless refs repeat
+            group = self._groups[0]
+            refs = group.refs
+            if len(refs) == 1 or len({(r.tensor_idx, r.page_size_bytes) for r in refs}) == len(
+                refs
+            ):
+                return [
+                    RowCopy(r.tensor_idx, r.page_size_bytes, group.src_rows, group.dst_rows)
+                    for r in refs
+                ]
         merged: dict[tuple[int, int], tuple[list[Int64Array], list[Int64Array]]] = {}
         for group in self._groups:
             for ref in group.refs:
@@ -259,66 +270,184 @@ def plan_transfer(
     _check_factor(block_size_factor)
     src_spec, dst_spec = _unpack(transfer_spec)
     gpu_is_src = isinstance(src_spec, GPULoadStoreSpec)
-    gpu_spec, offload_spec = (src_spec, dst_spec) if gpu_is_src else (dst_spec, src_spec)
-    assert isinstance(gpu_spec, GPULoadStoreSpec)
     if len(src_tensors) != len(dst_tensors):
         raise TransferSpecError(
             f"{len(src_tensors)} source tensors but {len(dst_tensors)} destination tensors"
         )
     src_spaces = tuple(RowSpace.of(t) for t in src_tensors)
     dst_spaces = tuple(RowSpace.of(t) for t in dst_tensors)
+    gpu_spec = src_spec if gpu_is_src else dst_spec
+    assert isinstance(gpu_spec, GPULoadStoreSpec)
+    _check_group_count(gpu_spec, len(group_data_refs))
+    groups = _prepare_groups(group_data_refs, src_spaces, dst_spaces, gpu_is_src, block_size_factor)
+    return _plan_groups(
+        src_spec, dst_spec, gpu_is_src, groups, src_spaces, dst_spaces, block_size_factor
+    )
+
+
+class TransferPlanner:
+    """Plans many transfers between the same tensors (what a handler does).
+
+    Everything that does not depend on the spec -- tensor geometry, each
+    ref's page size against both sides, which tensor of a group has the
+    fewest rows -- is checked once and kept, so :meth:`plan` only does the
+    per-transfer work. :meth:`plan` returns what :func:`plan_transfer`
+    returns for the same arguments and raises the same errors.
+    """
+
+    __slots__ = ("_dst", "_factor", "_prepared", "_refs", "_src")
+
+    def __init__(
+        self,
+        group_data_refs: Sequence[Sequence[CanonicalKVCacheRef]],
+        src_tensors: Sequence[TensorLike],
+        dst_tensors: Sequence[TensorLike],
+        block_size_factor: int,
+    ) -> None:
+        _check_factor(block_size_factor)
+        self._factor = int(block_size_factor)
+        self._refs = tuple(tuple(g) for g in group_data_refs)
+        self._src = tuple(RowSpace.of(t) for t in src_tensors)
+        self._dst = tuple(RowSpace.of(t) for t in dst_tensors)
+        # Per direction (keyed by "the GPU side is the source"); None: a check failed,
+        # so plan() defers to plan_transfer, which raises the precise error.
+        self._prepared: dict[bool, tuple[_GroupInfo, ...] | None] = {}
+
+    def plan(self, transfer_spec: TransferSpec) -> TransferPlan:
+        src_spec, dst_spec = _unpack(transfer_spec)
+        gpu_is_src = isinstance(src_spec, GPULoadStoreSpec)
+        groups = self._prepared.get(gpu_is_src, _UNSET)
+        if groups is _UNSET:
+            groups = self._prepare(gpu_is_src)
+        if groups is None:
+            return plan_transfer(transfer_spec, self._refs, self._src, self._dst, self._factor)
+        gpu_spec = src_spec if gpu_is_src else dst_spec
+        assert isinstance(gpu_spec, GPULoadStoreSpec)
+        _check_group_count(gpu_spec, len(self._refs))
+        return _plan_groups(
+            src_spec, dst_spec, gpu_is_src, groups, self._src, self._dst, self._factor
+        )
+
+    def _prepare(self, gpu_is_src: bool) -> tuple[_GroupInfo, ...] | None:
+        try:
+            if len(self._src) != len(self._dst):
+                raise TransferSpecError("tensor counts differ")
+            groups: tuple[_GroupInfo, ...] | None = _prepare_groups(
+                self._refs, self._src, self._dst, gpu_is_src, self._factor
+            )
+        except TransferSpecError:
+            groups = None
+        self._prepared[gpu_is_src] = groups
+        return groups
+
+
+@dataclass(frozen=True, slots=True)
+class _GroupInfo:
+    """What a group's plan needs that does not depend on the spec."""
+
+    refs: tuple[CanonicalKVCacheRef, ...]
+    gpu_rows: int  # rows of the group's smallest GPU-side tensor ...
+    gpu_tensor: int  # ... which is this one
+    offload_rows: int
+    offload_tensor: int
+    bytes_per_block: int
+
+
+_UNSET: Any = object()
+
+
+def _check_group_count(gpu_spec: GPULoadStoreSpec, num_groups: int) -> None:
+    if len(gpu_spec.group_sizes) != num_groups:
+        raise TransferSpecError(
+            f"the GPU spec has {len(gpu_spec.group_sizes)} groups "
+            f"(group_sizes={gpu_spec.group_sizes!r}) but the KV caches have {num_groups}"
+        )
+
+
+def _prepare_groups(
+    group_data_refs: Sequence[Sequence[CanonicalKVCacheRef]],
+    src_spaces: tuple[RowSpace, ...],
+    dst_spaces: tuple[RowSpace, ...],
+    gpu_is_src: bool,
+    factor: int,
+) -> tuple[_GroupInfo, ...]:
     gpu_spaces, offload_spaces = (
         (src_spaces, dst_spaces) if gpu_is_src else (dst_spaces, src_spaces)
     )
-    num_groups = len(gpu_spec.group_sizes)
-    if num_groups != len(group_data_refs):
-        raise TransferSpecError(
-            f"the GPU spec has {num_groups} groups (group_sizes={gpu_spec.group_sizes!r}) "
-            f"but the KV caches have {len(group_data_refs)}"
-        )
-    factor = block_size_factor
-    skips = [idx % factor for idx in gpu_spec.block_indices]
-    offload_counts = [
-        -(-(size + skip) // factor) if size else 0
-        for size, skip in zip(gpu_spec.group_sizes, skips, strict=True)
-    ]
-    if sum(offload_counts) != len(offload_spec):
-        raise TransferSpecError(
-            f"the {offload_spec.medium()} spec has {len(offload_spec)} blocks, but group sizes "
-            f"{gpu_spec.group_sizes!r} with block_indices {gpu_spec.block_indices!r} and "
-            f"block_size_factor {factor} need {sum(offload_counts)}"
-        )
     for g, refs in enumerate(group_data_refs):
         for ref in refs:
             _check_ref(ref, g, gpu_spaces, offload_spaces, factor)
+    infos: list[_GroupInfo] = []
+    for refs in group_data_refs:
+        refs = tuple(refs)
+        if not refs:
+            infos.append(_GroupInfo(refs, 0, 0, 0, 0, 0))
+            continue
+        # Ids are checked against the smallest tensor the group touches, once per side.
+        gpu_rows, gpu_t = min((gpu_spaces[r.tensor_idx].num_rows, r.tensor_idx) for r in refs)
+        off_rows, off_t = min((offload_spaces[r.tensor_idx].num_rows, r.tensor_idx) for r in refs)
+        size = sum(ref.page_size_bytes for ref in refs)
+        infos.append(_GroupInfo(refs, gpu_rows, gpu_t, off_rows, off_t, size))
+    return tuple(infos)
 
+
+def _plan_groups(
+    src_spec: BlockIDsLoadStoreSpec,
+    dst_spec: BlockIDsLoadStoreSpec,
+    gpu_is_src: bool,
+    infos: tuple[_GroupInfo, ...],
+    src_spaces: tuple[RowSpace, ...],
+    dst_spaces: tuple[RowSpace, ...],
+    factor: int,
+) -> TransferPlan:
+    """The per-transfer part of planning: group sizes against the offload spec, id ranges."""
+    gpu_spec, offload_spec = (src_spec, dst_spec) if gpu_is_src else (dst_spec, src_spec)
+    assert isinstance(gpu_spec, GPULoadStoreSpec)
+    sizes = gpu_spec.group_sizes
+    if factor == 1:
+        skips = [0] * len(sizes)
+        offload_counts = list(sizes)
+    else:
+        skips = [idx % factor for idx in gpu_spec.block_indices]
+        offload_counts = [
+            -(-(size + skip) // factor) if size else 0
+            for size, skip in zip(sizes, skips, strict=True)
+        ]
+    if sum(offload_counts) != len(offload_spec):
+        raise TransferSpecError(
+            f"the {offload_spec.medium()} spec has {len(offload_spec)} blocks, but group sizes "
+            f"{sizes!r} with block_indices {gpu_spec.block_indices!r} and "
+            f"block_size_factor {factor} need {sum(offload_counts)}"
+        )
     groups: list[_GroupRows] = []
     total = 0
     gpu_start = offload_start = 0
-    for g, (size, skip, count) in enumerate(
-        zip(gpu_spec.group_sizes, skips, offload_counts, strict=True)
+    single = len(sizes) == 1
+    for g, (size, skip, count, info) in enumerate(
+        zip(sizes, skips, offload_counts, infos, strict=True)
     ):
-        gpu_ids = gpu_spec.block_ids[gpu_start : gpu_start + size]
-        offload_ids = offload_spec.block_ids[offload_start : offload_start + count]
-        gpu_start += size
-        offload_start += count
-        refs = tuple(group_data_refs[g])
-        if size == 0 or not refs:
+        if single:  # no slicing: the whole spec is this group
+            gpu_ids, offload_ids = gpu_spec.block_ids, offload_spec.block_ids
+        else:
+            gpu_ids = gpu_spec.block_ids[gpu_start : gpu_start + size]
+            offload_ids = offload_spec.block_ids[offload_start : offload_start + count]
+            gpu_start += size
+            offload_start += count
+        if size == 0 or not info.refs:
             continue
-        # One min/max per side, checked against the smallest tensor the group touches.
-        gpu_rows, gpu_t = min((gpu_spaces[r.tensor_idx].num_rows, r.tensor_idx) for r in refs)
-        off_rows, off_t = min((offload_spaces[r.tensor_idx].num_rows, r.tensor_idx) for r in refs)
-        _check_ids_in_range(gpu_ids, gpu_rows, "GPU block id", f"group {g}, tensor {gpu_t}")
+        _check_ids_in_range(
+            gpu_ids, info.gpu_rows, "GPU block id", f"group {g}, tensor {info.gpu_tensor}"
+        )
         _check_ids_in_range(
             offload_ids,
-            off_rows,
+            info.offload_rows,
             f"{offload_spec.medium()} block id",
-            f"group {g}, tensor {off_t}",
+            f"group {g}, tensor {info.offload_tensor}",
         )
         offload_rows = _sub_rows(offload_ids, factor, skip, size)
         src_rows, dst_rows = (gpu_ids, offload_rows) if gpu_is_src else (offload_rows, gpu_ids)
-        groups.append(_GroupRows(src_rows, dst_rows, refs))
-        total += size * sum(ref.page_size_bytes for ref in refs)
+        groups.append(_GroupRows(src_rows, dst_rows, info.refs))
+        total += size * info.bytes_per_block
     return TransferPlan(
         src_factor=1 if gpu_is_src else factor,
         dst_factor=factor if gpu_is_src else 1,
@@ -407,9 +536,14 @@ def _as_ids(block_ids: npt.NDArray[np.integer[Any]], name: str) -> Int64Array:
 
 
 def _check_ids_in_range(ids: Int64Array, num_rows: int, what: str, where: str) -> None:
-    if ids.size == 0:
+    n = ids.size
+    if n == 0:
         return
-    lo, hi = int(ids.min()), int(ids.max())
+    if n <= 32:  # a few ids: Python's min/max beat numpy's reduction set-up
+        listed = ids.tolist()
+        lo, hi = min(listed), max(listed)
+    else:
+        lo, hi = int(ids.min()), int(ids.max())
     if lo < 0:
         raise TransferSpecError(f"{what} {lo} ({where}) is negative")
     if hi >= num_rows:
