@@ -404,50 +404,22 @@ def _plan_groups(
     gpu_spec, offload_spec = (src_spec, dst_spec) if gpu_is_src else (dst_spec, src_spec)
     assert isinstance(gpu_spec, GPULoadStoreSpec)
     sizes = gpu_spec.group_sizes
-    if factor == 1:
-        skips = [0] * len(sizes)
-        offload_counts = list(sizes)
-    else:
-        skips = [idx % factor for idx in gpu_spec.block_indices]
-        offload_counts = [
-            -(-(size + skip) // factor) if size else 0
-            for size, skip in zip(sizes, skips, strict=True)
-        ]
-    if sum(offload_counts) != len(offload_spec):
-        raise TransferSpecError(
-            f"the {offload_spec.medium()} spec has {len(offload_spec)} blocks, but group sizes "
-            f"{sizes!r} with block_indices {gpu_spec.block_indices!r} and "
-            f"block_size_factor {factor} need {sum(offload_counts)}"
-        )
-    groups: list[_GroupRows] = []
-    total = 0
-    gpu_start = offload_start = 0
-    single = len(sizes) == 1
-    for g, (size, skip, count, info) in enumerate(
-        zip(sizes, skips, offload_counts, infos, strict=True)
-    ):
-        if single:  # no slicing: the whole spec is this group
-            gpu_ids, offload_ids = gpu_spec.block_ids, offload_spec.block_ids
-        else:
-            gpu_ids = gpu_spec.block_ids[gpu_start : gpu_start + size]
-            offload_ids = offload_spec.block_ids[offload_start : offload_start + count]
-            gpu_start += size
-            offload_start += count
+    if len(sizes) == 1 and factor == 1:  # the common case, without the general bookkeeping
+        size, info = sizes[0], infos[0]
+        n_offload = int(offload_spec.block_ids.shape[0])
+        if size != n_offload:
+            _raise_count_mismatch(gpu_spec, offload_spec, factor, size)
         if size == 0 or not info.refs:
-            continue
-        _check_ids_in_range(
-            gpu_ids, info.gpu_rows, "GPU block id", f"group {g}, tensor {info.gpu_tensor}"
-        )
-        _check_ids_in_range(
-            offload_ids,
-            info.offload_rows,
-            f"{offload_spec.medium()} block id",
-            f"group {g}, tensor {info.offload_tensor}",
-        )
-        offload_rows = _sub_rows(offload_ids, factor, skip, size)
-        src_rows, dst_rows = (gpu_ids, offload_rows) if gpu_is_src else (offload_rows, gpu_ids)
-        groups.append(_GroupRows(src_rows, dst_rows, info.refs))
-        total += size * info.bytes_per_block
+            groups: list[_GroupRows] = []
+            total = 0
+        else:
+            gpu_ids, offload_ids = gpu_spec.block_ids, offload_spec.block_ids
+            _check_group_ids(gpu_ids, offload_ids, info, 0, offload_spec)
+            src_rows, dst_rows = (gpu_ids, offload_ids) if gpu_is_src else (offload_ids, gpu_ids)
+            groups = [_GroupRows(src_rows, dst_rows, info.refs)]
+            total = size * info.bytes_per_block
+    else:
+        groups, total = _plan_general(gpu_spec, offload_spec, gpu_is_src, infos, factor)
     return TransferPlan(
         src_factor=1 if gpu_is_src else factor,
         dst_factor=factor if gpu_is_src else 1,
@@ -456,6 +428,81 @@ def _plan_groups(
         total_bytes=total,
         _groups=tuple(groups),
     )
+
+
+def _plan_general(
+    gpu_spec: GPULoadStoreSpec,
+    offload_spec: BlockIDsLoadStoreSpec,
+    gpu_is_src: bool,
+    infos: tuple[_GroupInfo, ...],
+    factor: int,
+) -> tuple[list[_GroupRows], int]:
+    sizes = gpu_spec.group_sizes
+    skips = [idx % factor for idx in gpu_spec.block_indices]
+    offload_counts = [
+        -(-(size + skip) // factor) if size else 0 for size, skip in zip(sizes, skips, strict=True)
+    ]
+    if sum(offload_counts) != len(offload_spec):
+        _raise_count_mismatch(gpu_spec, offload_spec, factor, sum(offload_counts))
+    groups: list[_GroupRows] = []
+    total = 0
+    gpu_start = offload_start = 0
+    for g, (size, skip, count, info) in enumerate(
+        zip(sizes, skips, offload_counts, infos, strict=True)
+    ):
+        gpu_ids = gpu_spec.block_ids[gpu_start : gpu_start + size]
+        offload_ids = offload_spec.block_ids[offload_start : offload_start + count]
+        gpu_start += size
+        offload_start += count
+        if size == 0 or not info.refs:
+            continue
+        _check_group_ids(gpu_ids, offload_ids, info, g, offload_spec)
+        offload_rows = _sub_rows(offload_ids, factor, skip, size)
+        src_rows, dst_rows = (gpu_ids, offload_rows) if gpu_is_src else (offload_rows, gpu_ids)
+        groups.append(_GroupRows(src_rows, dst_rows, info.refs))
+        total += size * info.bytes_per_block
+    return groups, total
+
+
+def _raise_count_mismatch(
+    gpu_spec: GPULoadStoreSpec, offload_spec: BlockIDsLoadStoreSpec, factor: int, need: int
+) -> None:
+    raise TransferSpecError(
+        f"the {offload_spec.medium()} spec has {len(offload_spec)} blocks, but group sizes "
+        f"{gpu_spec.group_sizes!r} with block_indices {gpu_spec.block_indices!r} and "
+        f"block_size_factor {factor} need {need}"
+    )
+
+
+def _check_group_ids(
+    gpu_ids: Int64Array,
+    offload_ids: Int64Array,
+    info: _GroupInfo,
+    g: int,
+    offload_spec: BlockIDsLoadStoreSpec,
+) -> None:
+    """Every id of group ``g`` against the smallest tensor it touches, on both sides."""
+    if _ids_in_range(gpu_ids, info.gpu_rows) and _ids_in_range(offload_ids, info.offload_rows):
+        return
+    _check_ids_in_range(
+        gpu_ids, info.gpu_rows, "GPU block id", f"group {g}, tensor {info.gpu_tensor}"
+    )
+    _check_ids_in_range(
+        offload_ids,
+        info.offload_rows,
+        f"{offload_spec.medium()} block id",
+        f"group {g}, tensor {info.offload_tensor}",
+    )
+
+
+def _ids_in_range(ids: Int64Array, num_rows: int) -> bool:
+    n = ids.size
+    if n == 0:
+        return True
+    if n <= 32:  # a few ids: Python's min/max beat numpy's reduction set-up
+        listed = ids.tolist()
+        return bool(min(listed) >= 0 and max(listed) < num_rows)
+    return bool(int(ids.min()) >= 0 and int(ids.max()) < num_rows)
 
 
 def plan_copy_ptrs(
