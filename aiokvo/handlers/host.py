@@ -153,9 +153,10 @@ class HostOffloadingHandler(SingleDirectionHandler):
             else None
         )
         self._lane = (type(self).__name__, direction, id(self))
+        self._good_routes: set[tuple[type, type]] = set()
 
     def _submit(self, job_id: int, spec: TransferSpec) -> Submission:
-        plan = self._planner.plan(_check_route(spec, self.transfer_type))
+        plan = self._planner.plan(self._check_route(spec))
         pages = self._pages
         copies: list[HostCopy] = []
         src_rows = dst_rows = None  # tensors of one group share their index arrays
@@ -180,6 +181,20 @@ class HostOffloadingHandler(SingleDirectionHandler):
         return Submission(
             source=event, transfer_size=plan.total_bytes, lane=self._lane, elapsed=event.elapsed
         )
+
+    def _check_route(self, spec: TransferSpec) -> TransferSpec:
+        """``spec`` if it goes this handler's way; spec types seen before are not re-checked."""
+        try:
+            src_spec, dst_spec = spec
+        except (TypeError, ValueError):
+            raise TransferSpecError(
+                f"a transfer spec is a (src_spec, dst_spec) pair, got {spec!r}"
+            ) from None
+        types = (type(src_spec), type(dst_spec))
+        if types not in self._good_routes:
+            _check_route(spec, self.transfer_type)
+            self._good_routes.add(types)
+        return spec
 
     async def _close_backend(self) -> None:
         # Everything in flight has finished, so the threads are idle: joining is instant.

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -295,7 +295,7 @@ class TransferPlanner:
     returns for the same arguments and raises the same errors.
     """
 
-    __slots__ = ("_dst", "_factor", "_prepared", "_refs", "_src")
+    __slots__ = ("_dst", "_factor", "_kinds", "_prepared", "_refs", "_src")
 
     def __init__(
         self,
@@ -312,20 +312,36 @@ class TransferPlanner:
         # Per direction (keyed by "the GPU side is the source"); None: a check failed,
         # so plan() defers to plan_transfer, which raises the precise error.
         self._prepared: dict[bool, tuple[_GroupInfo, ...] | None] = {}
+        self._kinds: dict[tuple[type, type], bool] = {}
 
     def plan(self, transfer_spec: TransferSpec) -> TransferPlan:
-        src_spec, dst_spec = _unpack(transfer_spec)
-        gpu_is_src = isinstance(src_spec, GPULoadStoreSpec)
+        try:
+            src_spec, dst_spec = transfer_spec
+        except (TypeError, ValueError):
+            _unpack(transfer_spec)  # raises the precise error
+            raise
+        # Spec types seen before need no isinstance checks (ABC checks are not free).
+        kinds = (type(src_spec), type(dst_spec))
+        gpu_is_src = self._kinds.get(kinds)
+        if gpu_is_src is None:
+            _unpack(transfer_spec)
+            gpu_is_src = self._kinds[kinds] = isinstance(src_spec, GPULoadStoreSpec)
         groups = self._prepared.get(gpu_is_src, _UNSET)
         if groups is _UNSET:
             groups = self._prepare(gpu_is_src)
         if groups is None:
             return plan_transfer(transfer_spec, self._refs, self._src, self._dst, self._factor)
-        gpu_spec = src_spec if gpu_is_src else dst_spec
-        assert isinstance(gpu_spec, GPULoadStoreSpec)
-        _check_group_count(gpu_spec, len(self._refs))
+        gpu_spec = cast(GPULoadStoreSpec, src_spec if gpu_is_src else dst_spec)
+        if len(gpu_spec.group_sizes) != len(groups):
+            _check_group_count(gpu_spec, len(groups))
         return _plan_groups(
-            src_spec, dst_spec, gpu_is_src, groups, self._src, self._dst, self._factor
+            cast(BlockIDsLoadStoreSpec, src_spec),
+            cast(BlockIDsLoadStoreSpec, dst_spec),
+            gpu_is_src,
+            groups,
+            self._src,
+            self._dst,
+            self._factor,
         )
 
     def _prepare(self, gpu_is_src: bool) -> tuple[_GroupInfo, ...] | None:
@@ -402,7 +418,7 @@ def _plan_groups(
 ) -> TransferPlan:
     """The per-transfer part of planning: group sizes against the offload spec, id ranges."""
     gpu_spec, offload_spec = (src_spec, dst_spec) if gpu_is_src else (dst_spec, src_spec)
-    assert isinstance(gpu_spec, GPULoadStoreSpec)
+    gpu_spec = cast(GPULoadStoreSpec, gpu_spec)
     sizes = gpu_spec.group_sizes
     if len(sizes) == 1 and factor == 1:  # the common case, without the general bookkeeping
         size, info = sizes[0], infos[0]
