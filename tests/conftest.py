@@ -1,10 +1,20 @@
 """Suite-wide fixtures: every async test runs on uvloop (and the stdlib loop
-where a test asks for both), and GPU tests skip cleanly without a device."""
+where a test asks for both), GPU tests skip cleanly without a device, and a
+watchdog turns a hung test into a failure with every thread's stack."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+import contextlib
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Generator, Mapping
+from types import FrameType
 
 import pytest
 
@@ -20,10 +30,20 @@ def pytest_asyncio_loop_factories(
     """uvloop for every async test; tests marked ``both_loops`` also get asyncio."""
     factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {}
     if uvloop is not None:
-        factories["uvloop"] = uvloop.new_event_loop
+        factories["uvloop"] = _tracked(uvloop.new_event_loop)
     if uvloop is None or item.get_closest_marker("both_loops") is not None:
-        factories["asyncio"] = asyncio.new_event_loop
+        factories["asyncio"] = _tracked(asyncio.new_event_loop)
     return factories
+
+
+def _tracked(
+    factory: Callable[[], asyncio.AbstractEventLoop],
+) -> Callable[[], asyncio.AbstractEventLoop]:
+    """``factory``, with its loops known to the hang guard (see below)."""
+    if _watchdog is None:
+        return factory
+    watchdog = _watchdog
+    return lambda: watchdog.track(factory())
 
 
 def _cuda_device_count() -> int:
@@ -41,3 +61,135 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("gpu"):
                 item.add_marker(skip)
+
+
+# -- hang guard -----------------------------------------------------------------
+# CI gives the whole suite 90 minutes; a deadlock must cost minutes, not all of
+# them. Each test phase (setup, call, teardown) gets $AIOKVO_TEST_TIMEOUT seconds
+# (default below; 0 disables). On expiry the watchdog prints every thread's
+# stack and interrupts the main thread (a signal, plus a wake-up for the test's
+# event loop), so the test fails and the run goes on. If the phase has still
+# not ended GRACE seconds later -- the main thread is stuck where no signal
+# reaches it -- the process exits. The limit also covers interpreter exit,
+# where a leaked non-daemon thread would otherwise block forever.
+
+TEST_TIMEOUT_ENV = "AIOKVO_TEST_TIMEOUT"
+DEFAULT_TEST_TIMEOUT = 300.0
+GRACE = 30.0
+
+
+class PhaseTimeout(SystemExit):
+    """A test phase outlived the watchdog's limit.
+
+    A ``SystemExit`` so that event loops re-raise it out of a callback instead
+    of logging it, and code under test catching ``Exception`` cannot swallow it;
+    pytest reports it as that test's failure and carries on.
+    """
+
+
+class _Watchdog:
+    """One daemon thread that interrupts, then kills, a phase past its deadline."""
+
+    def __init__(self, limit: float, stderr_fd: int) -> None:
+        self.limit = limit
+        self._out = stderr_fd  # the terminal's stderr: captured output dies with os._exit
+        self._cond = threading.Condition()
+        self._what: str | None = None
+        self._deadline = 0.0
+        self._interrupted = False
+        self._loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+        self._main = threading.main_thread().ident
+        signal.signal(signal.SIGALRM, self._on_alarm)
+        threading.Thread(target=self._run, name="test-watchdog", daemon=True).start()
+
+    def track(self, loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop:
+        """Remember a test's loop, to wake it when its test must be interrupted."""
+        with self._cond:
+            self._loops.add(loop)
+        return loop
+
+    def arm(self, what: str) -> None:
+        with self._cond:
+            self._what, self._interrupted = what, False
+            self._deadline = time.monotonic() + self.limit
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._what = None
+
+    def _on_alarm(self, signum: int, frame: FrameType | None) -> None:
+        what = self._what
+        if what is not None:  # else the phase ended while the signal was on its way
+            raise PhaseTimeout(f"{what} ran past {self.limit:g} s (${TEST_TIMEOUT_ENV})")
+
+    def _say(self, text: str) -> None:
+        os.write(self._out, text.encode())
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                if self._what is None:
+                    self._cond.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                self._say(f"\n*** {self._what}: timed out; stacks of all threads:\n")
+                faulthandler.dump_traceback(file=self._out, all_threads=True)
+                if self._interrupted or self._main is None:
+                    self._say(f"*** {self._what}: still stuck {GRACE:g} s later; exiting\n")
+                    os._exit(3)
+                self._interrupted = True
+                self._deadline = time.monotonic() + GRACE
+                signal.pthread_kill(self._main, signal.SIGALRM)
+                for loop in list(self._loops):
+                    # uvloop retries an interrupted poll without running Python
+                    # code; a callback makes the main thread run the handler.
+                    with contextlib.suppress(RuntimeError):
+                        loop.call_soon_threadsafe(_noop)
+
+
+def _noop() -> None:
+    pass
+
+
+_watchdog: _Watchdog | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _watchdog
+    limit = float(os.environ.get(TEST_TIMEOUT_ENV) or DEFAULT_TEST_TIMEOUT)
+    if limit > 0 and hasattr(signal, "pthread_kill"):
+        _watchdog = _Watchdog(limit, os.dup(sys.__stderr__.fileno() if sys.__stderr__ else 2))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _watchdog is not None:
+        _watchdog.arm("interpreter exit")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    return (yield from _guarded(f"setup of {item.nodeid}"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    return (yield from _guarded(item.nodeid))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
+    return (yield from _guarded(f"teardown of {item.nodeid}"))
+
+
+def _guarded(what: str) -> Generator[None, None, None]:
+    if _watchdog is None:
+        return (yield)
+    _watchdog.arm(what)
+    try:
+        return (yield)
+    finally:
+        _watchdog.disarm()
