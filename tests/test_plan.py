@@ -9,6 +9,7 @@ import torch
 from aiokvo.errors import TransferSpecError
 from aiokvo.handlers.plan import (
     RowSpace,
+    TransferPlanner,
     compute_sub_block_ptrs,
     plan_copy_ptrs,
     plan_transfer,
@@ -196,7 +197,9 @@ def test_partial_first_block_sub_rows() -> None:
 # -- validation ----------------------------------------------------------------------
 
 
-def _tensors(gpu_rows: int = 10, cpu_rows: int = 6, page: int = 16, factor: int = 1):
+def _tensors(
+    gpu_rows: int = 10, cpu_rows: int = 6, page: int = 16, factor: int = 1
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[list[CanonicalKVCacheRef]]]:
     gpu = [torch.zeros((gpu_rows, page), dtype=torch.int8) for _ in range(2)]
     cpu = [torch.zeros((cpu_rows, page * factor), dtype=torch.int8) for _ in range(2)]
     refs = [[CanonicalKVCacheRef(0, page)], [CanonicalKVCacheRef(1, page)]]
@@ -318,3 +321,97 @@ def test_pointer_guard_rejects_copies_leaving_the_tensor() -> None:
         _check_ptrs_inside(np.array([0x1031]), 16, space, "source", 0)
     with pytest.raises(TransferSpecError, match="leaves the tensor"):
         _check_ptrs_inside(np.array([0xFFF]), 1, space, "destination", 0)
+
+
+# -- TransferPlanner -----------------------------------------------------------------
+
+
+def _same_plan(a: object, b: object) -> None:
+    from aiokvo.handlers.plan import TransferPlan
+
+    assert isinstance(a, TransferPlan) and isinstance(b, TransferPlan)
+    pa, pb = a.pointers(), b.pointers()
+    assert pa.src_ptrs.tolist() == pb.src_ptrs.tolist()
+    assert pa.dst_ptrs.tolist() == pb.dst_ptrs.tolist()
+    assert pa.sizes.tolist() == pb.sizes.tolist()
+    assert (a.total_bytes, a.src_factor, a.dst_factor) == (
+        b.total_bytes,
+        b.src_factor,
+        b.dst_factor,
+    )
+    assert [(c.tensor_idx, c.nbytes) for c in a.row_copies()] == [
+        (c.tensor_idx, c.nbytes) for c in b.row_copies()
+    ]
+
+
+@pytest.mark.parametrize("factor", [1, 3])
+def test_planner_plans_what_plan_transfer_plans(factor: int) -> None:
+    rng = np.random.default_rng(factor)
+    gpu_t, cpu_t, _ = _tensors(gpu_rows=50, cpu_rows=40, factor=factor)
+    one_group = [[CanonicalKVCacheRef(0, 16), CanonicalKVCacheRef(1, 8)]]
+    store = TransferPlanner(one_group, gpu_t, cpu_t, factor)
+    load = TransferPlanner(one_group, cpu_t, gpu_t, factor)
+    for _ in range(20):  # single group: the planner's fast path when factor is 1
+        n = int(rng.integers(0, 6))
+        index = int(rng.integers(0, 9))
+        gpu = GPULoadStoreSpec(rng.choice(50, size=n, replace=False), [n], [index])
+        n_cpu = -(-(n + index % factor) // factor) if n else 0
+        cpu = CPULoadStoreSpec(rng.choice(40, size=n_cpu, replace=False))
+        planned = store.plan((gpu, cpu))
+        _same_plan(planned, plan_transfer((gpu, cpu), one_group, gpu_t, cpu_t, factor))
+        spaces = [RowSpace.of(t) for t in gpu_t], [RowSpace.of(t) for t in cpu_t]
+        ptrs = planned.pointers()  # and against the page-by-page reference
+        got = set(
+            zip(ptrs.src_ptrs.tolist(), ptrs.dst_ptrs.tolist(), ptrs.sizes.tolist(), strict=True)
+        )
+        assert got == _reference_ptrs(gpu, cpu, one_group, *spaces, factor)
+        _same_plan(
+            load.plan((cpu, gpu)), plan_transfer((cpu, gpu), one_group, cpu_t, gpu_t, factor)
+        )
+    for _ in range(20):  # several groups, one of them empty
+        gpu, cpu, refs, gpu_spaces, cpu_spaces = _random_case(rng, factor)
+        planner = TransferPlanner(refs, gpu_spaces, cpu_spaces, factor)
+        want = plan_transfer((gpu, cpu), refs, gpu_spaces, cpu_spaces, factor)
+        _same_plan(planner.plan((gpu, cpu)), want)
+
+
+@pytest.mark.parametrize(
+    ("gpu_spec", "cpu_spec", "needle"),
+    [
+        (GPULoadStoreSpec([1, 2], [2], [0]), CPULoadStoreSpec([0]), "need 2"),
+        (GPULoadStoreSpec([1, 10], [2], [0]), CPULoadStoreSpec([0, 1]), "GPU block id 10"),
+        (GPULoadStoreSpec([1, 2], [2], [0]), CPULoadStoreSpec([0, 6]), "CPU block id 6"),
+        (GPULoadStoreSpec([1], [1, 0], [0, 0]), CPULoadStoreSpec([0]), "has 2 groups"),
+    ],
+)
+@pytest.mark.parametrize("gpu_to_cpu", [True, False])
+def test_planner_raises_what_plan_transfer_raises(
+    gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec, needle: str, gpu_to_cpu: bool
+) -> None:
+    gpu_t = [torch.zeros((10, 16), dtype=torch.int8)]
+    cpu_t = [torch.zeros((6, 16), dtype=torch.int8)]
+    refs = [[CanonicalKVCacheRef(0, 16)]]
+    spec, src, dst = (
+        ((gpu_spec, cpu_spec), gpu_t, cpu_t) if gpu_to_cpu else ((cpu_spec, gpu_spec), cpu_t, gpu_t)
+    )
+    planner = TransferPlanner(refs, src, dst, 1)
+    for _ in range(2):  # the second time with the spec types already known
+        with pytest.raises(TransferSpecError, match=needle) as got:
+            planner.plan(spec)
+        with pytest.raises(TransferSpecError) as want:
+            plan_transfer(spec, refs, src, dst, 1)
+        assert str(got.value) == str(want.value)
+
+
+def test_planner_with_bad_refs_raises_on_each_plan() -> None:
+    gpu, cpu, _ = _tensors(page=16)
+    refs = [[CanonicalKVCacheRef(0, 32)], []]
+    planner = TransferPlanner(refs, gpu, cpu, 1)  # checked per direction, on first use
+    spec = (GPULoadStoreSpec([0], [1, 0], [0, 0]), CPULoadStoreSpec([0]))
+    for _ in range(2):
+        with pytest.raises(TransferSpecError, match="copies 32 bytes per page of tensor 0"):
+            planner.plan(spec)
+    with pytest.raises(TransferSpecError, match="exactly one side"):
+        planner.plan((CPULoadStoreSpec([0]), CPULoadStoreSpec([1])))
+    with pytest.raises(TransferSpecError, match="pair"):
+        planner.plan((spec[0],))  # type: ignore[arg-type]
