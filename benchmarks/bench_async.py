@@ -261,19 +261,13 @@ _DONE = _Done()
 
 
 def make_host_handler(
-    src: torch.Tensor, dst: torch.Tensor, mode: PollerMode, *, notify: bool = False
+    src: torch.Tensor, dst: torch.Tensor, mode: PollerMode
 ) -> SingleDirectionHandler | None:
-    """The real host handler (another module), or None if it is not there yet.
-
-    ``notify=True`` is a what-if: its HostEvents are swapped for
-    :class:`NotifyingHostEvent` (by patching the module the handler reads).
-    """
+    """The real host handler (another module), or None if it is not there yet."""
     try:
-        from aiokvo.handlers import host
         from aiokvo.handlers.host import HostOffloadingHandler
         from aiokvo.layout import CanonicalKVCaches
 
-        host.HostEvent = NotifyingHostEvent if notify else HostEvent  # type: ignore[misc]
         caches = CanonicalKVCaches.from_block_tensors([[src]])
         return HostOffloadingHandler(
             caches,
@@ -345,24 +339,22 @@ def bench_overhead(quick: bool) -> None:
     emit()
     emit(
         "`inline` = a handler whose copy runs inside `transfer_async` (pure async "
-        "overhead); `host` = the real `HostOffloadingHandler` (copy on its worker "
-        "thread); `host+notify` = the same with `NotifyingHostEvent` swapped in (what-if). "
-        f" `pipelined` keeps {window} transfers in flight; `sequential` awaits each."
+        "overhead); `host` = the real `HostOffloadingHandler` (planning on the loop, "
+        "the copy on its dispatch thread, completion through `HostEvent` and the poller). "
+        f"`pipelined` keeps {window} transfers in flight; `sequential` awaits each."
     )
     emit()
     emit("| loop | mode | handler | sequential /s | pipelined /s | pipelined vs direct |")
     emit("|---|---|---|---|---|---|")
     for loop_name in LOOPS:
         for mode in MODES:
-            for kind in ("inline", "host", "host+notify"):
+            for kind in ("inline", "host"):
 
                 def build(kind: str = kind, mode: PollerMode = mode) -> Any:
                     if kind == "inline":
                         return InlineCopyHandler(src, dst, mode)
-                    return make_host_handler(src, dst, mode, notify=kind == "host+notify")
+                    return make_host_handler(src, dst, mode)
 
-                if kind == "host+notify" and mode != "thread":
-                    continue
                 probe = build()
                 if probe is None:
                     continue

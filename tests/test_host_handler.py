@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import threading
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import pytest
@@ -18,7 +20,13 @@ from aiokvo.errors import (
     LayoutError,
     TransferSpecError,
 )
-from aiokvo.handlers.host import HostCopy, HostOffloadingHandler, apply_host_copies
+from aiokvo.handlers.host import (
+    HostCopy,
+    HostOffloadingHandler,
+    _DispatchThread,
+    _TimedHostEvent,
+    apply_host_copies,
+)
 from aiokvo.handlers.pair import CpuGpuHandlers, make_cpu_gpu_handlers
 from aiokvo.keys import make_offload_key
 from aiokvo.layout import CanonicalKVCaches
@@ -514,3 +522,65 @@ def test_quickstart_demo_exits_non_zero_on_corrupt_reload(
     demo = _load_quickstart()
     assert demo.main(DEMO_ARGS) == 1  # type: ignore[attr-defined]
     assert "FAILED" in capsys.readouterr().out
+
+
+def test_dispatch_thread_runs_jobs_in_order_and_restarts_after_idling() -> None:
+    dispatch = _DispatchThread("test-dispatch", idle_timeout=0.02)
+    ran: list[int] = []
+    failed = RuntimeError("boom")
+
+    def job(n: int) -> list[HostCopy]:
+        return cast(list[HostCopy], [n])  # the copy_fn below only records it
+
+    def record(copies: Sequence[HostCopy]) -> None:
+        (n,) = cast(Sequence[int], copies)
+        if n == 3:
+            raise failed
+        ran.append(n)
+
+    for burst in range(2):  # the second burst comes after the idle thread has exited
+        events = [_TimedHostEvent() for _ in range(8)]
+        for n, event in enumerate(events):
+            dispatch.submit(record, job(n + 10 * burst), event)
+        for event in events[:-1]:
+            with contextlib.suppress(RuntimeError):
+                event.synchronize()
+        events[-1].synchronize()
+        want = [n + 10 * burst for n in range(8) if n + 10 * burst != 3]
+        assert ran[-len(want) :] == want
+        assert all(e.elapsed() is not None for e in events if e is not events[3] or burst)
+        if burst == 0:
+            failed_event = events[3]
+        pause = threading.Event()
+        for _ in range(1000):  # it exits after idle_timeout without work
+            if dispatch._thread is None:
+                break
+            pause.wait(0.01)
+        assert dispatch._thread is None
+    with pytest.raises(RuntimeError, match="boom"):
+        failed_event.query()
+    dispatch.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        dispatch.submit(record, job(0), _TimedHostEvent())
+
+
+async def test_many_tiny_transfers_pipelined_are_byte_exact_and_fifo() -> None:
+    _, caches = _kv_caches("blocks_first", [1])
+    page = caches.tensors[0].page_size_bytes
+    async with make_cpu_gpu_handlers(caches, block_size_factor=1, num_cpu_blocks=16) as handlers:
+        store = handlers.gpu_to_cpu
+        tasks = [
+            store.transfer_async(
+                job,
+                (GPULoadStoreSpec([job % NUM_GPU_BLOCKS], [1], [0]), CPULoadStoreSpec([job % 16])),
+            )
+            for job in range(500)
+        ]
+        results = [await task for task in tasks]
+    assert all(r.success and r.transfer_size == page for r in results)
+    assert [r.job_id for r in results] == list(range(500))
+    for cpu_block in range(16):  # the last job that wrote each CPU block won
+        last = max(j for j in range(500) if j % 16 == cpu_block)
+        assert _page(handlers.cpu_tensors[0], cpu_block, 0, page) == _gpu_row(
+            caches, 0, last % NUM_GPU_BLOCKS
+        )
