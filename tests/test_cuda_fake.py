@@ -524,6 +524,25 @@ def test_fake_streams_run_in_order_and_events_see_them(fake: FakeDriver) -> None
     fake.stream_destroy(stream)
 
 
+def test_a_raising_stream_op_fails_later_events_and_the_stream_runs_on(fake: FakeDriver) -> None:
+    stream = fake.stream_create()
+    event = fake.event_create(timing=False)
+
+    def broken() -> None:
+        raise ValueError("host op bug")
+
+    fake.enqueue_host(stream, broken)
+    ran: list[int] = []
+    fake.enqueue_host(stream, lambda: ran.append(1))
+    fake.event_record(event, stream)
+    with pytest.raises(CudaError, match=r"cudaErrorLaunchFailure.*host op bug"):
+        fake.event_synchronize(event)  # fails, instead of waiting for a dead thread
+    fake.stream_synchronize(stream)
+    assert ran == [1]
+    fake.event_destroy(event)
+    fake.stream_destroy(stream)
+
+
 # ------------------------------------------------------------- pair and region
 
 

@@ -83,7 +83,14 @@ class _FakeStream:
             op = self.ops.get()
             if op is None:
                 return
-            op()
+            try:
+                op()
+            except Exception as exc:
+                # A dead thread would leave every later event unfired (a hang);
+                # like a faulting kernel, the failure is sticky instead.
+                self.error = self.error or CudaError(
+                    "cudaStreamSynchronize", *_LAUNCH_FAILURE, f"fake stream op raised {exc!r}"
+                )
 
 
 class FakeDriver:
