@@ -53,10 +53,13 @@ class ARCCachePolicy(CachePolicy):
         return self.t2, self.t1
 
     def block_ids(self, keys: Sequence[OffloadKey]) -> list[int]:
-        # Plain loops beat chains of map/filter here: two dicts per key.
-        t1, t2 = self.t1, self.t2
-        # T2 first: a block read back has usually been used before.
-        return [t2[key] if key in t2 else t1[key] for key in keys]
+        # A block read back has usually been used before, so is in T2: probe
+        # T2 for all keys in C, then fall back to T1 only for the misses.
+        ids = list(map(self.t2.get, keys))
+        if None in ids:
+            t1 = self.t1
+            ids = [t1[key] if i is None else i for key, i in zip(keys, ids, strict=True)]
+        return ids  # type: ignore[return-value]  # every None was replaced
 
     def uncached(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
         t1, t2 = self.t1, self.t2
