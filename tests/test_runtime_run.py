@@ -47,7 +47,9 @@ class _WaitOnlySource:
 
 def test_run_closes_the_loop_poller_and_its_threads() -> None:
     async def main() -> EventPoller:
-        poller = EventPoller.current()
+        # An idle waiter exits after idle_thread_timeout: make that longer than
+        # any stall of a loaded machine, so the thread is still alive below.
+        poller = EventPoller(idle_thread_timeout=3600.0)
         source = _WaitOnlySource()
         future = poller.watch("lane", source, mode="thread")
         asyncio.get_running_loop().call_later(0.001, source.set)
