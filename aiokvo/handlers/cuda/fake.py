@@ -122,8 +122,9 @@ class FakeDriver:
     def fail_call(self, call: str, name: str = "cudaErrorInvalidValue", *, times: int = 1) -> None:
         """Make the next ``times`` calls of method ``call`` raise ``CudaError``."""
         code = _ERROR_CODES.get(name, 999)
-        errors = self._call_failures.setdefault(call, [])
-        errors.extend(CudaError(call, name, code, "injected by FakeDriver") for _ in range(times))
+        errors = [CudaError(call, name, code, "injected by FakeDriver") for _ in range(times)]
+        with self._lock:
+            self._call_failures.setdefault(call, []).extend(errors)
 
     def fail_next_op(self) -> None:
         """Make the next copy or launch enqueued fail when it runs (an async launch failure)."""
@@ -177,10 +178,14 @@ class FakeDriver:
     # -- helpers --------------------------------------------------------
 
     def _enter(self, call: str) -> None:
-        self.calls[call] += 1
-        pending = self._call_failures.get(call)
-        if pending:
-            raise pending.pop(0)
+        # Waiter threads call in too (event_query, event_synchronize), so the
+        # count and the injected failure are taken atomically.
+        with self._lock:
+            self.calls[call] += 1
+            pending = self._call_failures.get(call)
+            error = pending.pop(0) if pending else None
+        if error is not None:
+            raise error
 
     def _stream(self, handle: int) -> _FakeStream:
         stream = self._streams.get(handle)
