@@ -9,10 +9,10 @@ side's sub-rows start at ``block_indices[g] % factor`` (a request whose first
 block is not aligned to an offloaded block skips that many sub-rows).
 
 :func:`plan_transfer` (or :meth:`TransferPlanner.plan`, which a handler keeps
-so the checks that do not depend on the spec run once) validates everything
-a caller could get wrong (route,
-group count, group sizes against the offload spec's length, every block id
-against the row count of every tensor it touches) and raises
+so that the checks that do not depend on the spec run once) validates
+everything a caller could get wrong (route, group count, group sizes against
+the offload spec's length, every block id against the row count of every
+tensor it touches) and raises
 :class:`~aiokvo.errors.TransferSpecError` naming the bad value *before* any
 copy could be enqueued. The resulting :class:`TransferPlan` renders two ways:
 
