@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from aiokvo.keys import OffloadKey
 from aiokvo.manager.cpu import CPUOffloadingManager
 from aiokvo.specs import ReqContext
 
@@ -97,9 +98,9 @@ class Trace:
         data = np.load(path)
         return cls(int(data["capacity"]), data["hashes"], data["sequences"], data["requests"])
 
-    def key_lists(self) -> list[list[bytes]]:
+    def key_lists(self) -> list[list[OffloadKey]]:
         """One list of key objects per sequence; shared prefixes share objects."""
-        keys = [bytes(row) + GROUP0 for row in self.hashes]
+        keys = [OffloadKey(bytes(row) + GROUP0) for row in self.hashes]
         return [[keys[i] for i in row] for row in self.sequences.tolist()]
 
 
@@ -114,7 +115,7 @@ class Result:
 
 
 def replay(
-    manager: CPUOffloadingManager, sequences: list[list[bytes]], requests: list[int],
+    manager: CPUOffloadingManager, sequences: list[list[OffloadKey]], requests: list[int],
     prefix: bool,
 ) -> Result:
     ctx = ReqContext()
@@ -151,7 +152,7 @@ def replay(
     )
 
 
-def fill(manager: CPUOffloadingManager, keys: list[bytes]) -> None:
+def fill(manager: CPUOffloadingManager, keys: list[OffloadKey]) -> None:
     ctx = ReqContext()
     for i in range(0, len(keys), SEQ_LEN):
         out = manager.prepare_store(keys[i : i + SEQ_LEN], ctx)
@@ -161,7 +162,7 @@ def fill(manager: CPUOffloadingManager, keys: list[bytes]) -> None:
 
 def bytes_per_block(capacity: int, policy: str) -> float:
     """tracemalloc growth per block while filling an empty manager to capacity."""
-    keys = [i.to_bytes(HASH_BYTES, "big") + GROUP0 for i in range(capacity)]
+    keys = [OffloadKey(i.to_bytes(HASH_BYTES, "big") + GROUP0) for i in range(capacity)]
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
@@ -174,14 +175,98 @@ def bytes_per_block(capacity: int, policy: str) -> float:
     return (after - before) / capacity
 
 
-def scale_point(trace: Trace, sequences: list[list[bytes]], policy: str) -> Result:
-    """µs/request on a manager that starts full, so every request pays for evictions."""
+OPS = ("lookup_prefix", "prepare_load", "complete_load", "prepare_store", "touch",
+       "complete_store")
+
+
+@dataclass
+class ScalePoint:
+    """Steady-state cost at one capacity: the whole request and each operation."""
+
+    capacity: int
+    warm_requests: int
+    warm_hit_rates: list[float]
+    us_per_req: float  # window timed as a whole (no per-call timers)
+    hit_rate: float
+    op_us: dict[str, float]  # µs per request in each operation (second window)
+    stored_per_req: float
+    evicted_per_req: float
+
+
+def replay_ops(
+    manager: CPUOffloadingManager, sequences: list[list[OffloadKey]], requests: list[int],
+) -> tuple[dict[str, float], float, float]:
+    """The request loop of :func:`replay` with a timer around every call.
+
+    Returns µs per request spent in each operation, and stored and evicted
+    blocks per request. The timers add the same small cost at every size.
+    """
+    ctx = ReqContext()
+    clock = time.perf_counter
+    spent = dict.fromkeys(OPS, 0.0)
+    stored = evicted = 0
+    gc.collect()
+    for seq_idx in requests:
+        keys = sequences[seq_idx]
+        t0 = clock()
+        hits = manager.lookup_prefix(keys, ctx) or 0
+        t1 = clock()
+        spent["lookup_prefix"] += t1 - t0
+        if hits:
+            loaded = keys[:hits]
+            t0 = clock()
+            manager.prepare_load(loaded, ctx)
+            t1 = clock()
+            manager.complete_load(loaded)
+            t2 = clock()
+            spent["prepare_load"] += t1 - t0
+            spent["complete_load"] += t2 - t1
+        t0 = clock()
+        out = manager.prepare_store(keys[hits:], ctx)
+        t1 = clock()
+        manager.touch(keys)
+        t2 = clock()
+        spent["prepare_store"] += t1 - t0
+        spent["touch"] += t2 - t1
+        if out is not None and out.keys_to_store:
+            t0 = clock()
+            manager.complete_store(out.keys_to_store)
+            spent["complete_store"] += clock() - t0
+            stored += len(out.keys_to_store)
+            evicted += len(out.evicted_keys)
+    n = len(requests)
+    return {op: t / n * 1e6 for op, t in spent.items()}, stored / n, evicted / n
+
+
+def scale_point(
+    trace: Trace, sequences: list[list[OffloadKey]], policy: str, window: int,
+    chunk: int, tolerance: float,
+) -> ScalePoint:
+    """µs/request in steady state, warmed by the trace itself.
+
+    The manager starts empty and replays the trace in chunks of ``chunk``
+    requests (untimed) until it is full and the hit rate of a chunk is
+    within ``tolerance`` of the chunk before it. The next ``window``
+    requests are timed as a whole, the ``window`` after those op by op.
+    So both sizes are measured with the cache in the state their own
+    trace drives it to, not after an arbitrary prefill.
+    """
+    requests = trace.requests.tolist()
+    warm_budget = len(requests) - 2 * window
     manager = CPUOffloadingManager(trace.capacity, policy)
-    filler = [(1 << 255 | i).to_bytes(HASH_BYTES, "big") + GROUP0
-              for i in range(trace.capacity)]
-    fill(manager, filler)
-    del filler
-    return replay(manager, sequences, trace.requests.tolist(), prefix=True)
+    rates: list[float] = []
+    done = 0
+    while done + chunk <= warm_budget:
+        rates.append(replay(manager, sequences, requests[done : done + chunk], True).hit_rate)
+        done += chunk
+        full = manager.num_free_blocks == 0
+        if full and len(rates) >= 2 and abs(rates[-1] - rates[-2]) <= tolerance:
+            break
+    timed = replay(manager, sequences, requests[done : done + window], prefix=True)
+    op_us, stored, evicted = replay_ops(
+        manager, sequences, requests[done + window : done + 2 * window])
+    return ScalePoint(trace.capacity, done, rates, timed.us_per_req, timed.hit_rate,
+                      op_us, stored, evicted)
 
 
 def probe_ns(capacity: int, probes: int = 1_000_000, seed: int = 0) -> float:
@@ -230,6 +315,58 @@ def _best(old: dict[str, float] | None, new: dict[str, float]) -> dict[str, floa
     return old
 
 
+def scale_section(args: argparse.Namespace, policies: list[str]) -> None:
+    """The 10k vs 1M comparison, each size warmed to steady state by its own trace."""
+    sizes = (args.capacity, args.scale_capacity)
+    window = args.scale_requests
+    print()
+    print(f"Scale: steady state, capacity {sizes[0]:,} vs {sizes[1]:,} (universe 4x, "
+          f"its own trace each); warmed by replaying the trace in chunks of "
+          f"max(10k, capacity/20) requests until full and the chunk hit rate moves "
+          f"<= {args.scale_tolerance}; then {window:,} requests timed whole "
+          f"and {window:,} more op by op; best of {args.repeat} interleaved rounds.")
+    traces: dict[int, tuple[Trace, list[list[OffloadKey]]]] = {}
+    for size in sizes:
+        t0 = time.perf_counter()
+        trace = Trace.generate(size, args.scale_warm_max + 2 * window, args.seed)
+        traces[size] = (trace, trace.key_lists())
+        print(f"# scale trace {size:,}: built in {time.perf_counter() - t0:.1f}s")
+    for policy in policies:
+        best: dict[int, ScalePoint] = {}
+        for _ in range(args.repeat):
+            for size in sizes:
+                trace, seqs = traces[size]
+                chunk = max(10_000, size // 20)
+                p = scale_point(trace, seqs, policy, window, chunk, args.scale_tolerance)
+                if size not in best or p.us_per_req < best[size].us_per_req:
+                    best[size] = p
+        lo, hi = best[sizes[0]], best[sizes[1]]
+        print(f"\n  {policy}: {lo.us_per_req:.2f} µs/req -> {hi.us_per_req:.2f} µs/req: "
+              f"ratio {hi.us_per_req / lo.us_per_req:.2f}")
+        print("  | | " + " | ".join(f"{s:,}" for s in sizes) + " | ratio |")
+        print("  |---|---:|---:|---:|")
+        for label, a, b in (
+            ("warm-up requests", lo.warm_requests, hi.warm_requests),
+            ("hit rate (timed window)", lo.hit_rate, hi.hit_rate),
+            ("stored blocks / req", lo.stored_per_req, hi.stored_per_req),
+            ("evicted blocks / req", lo.evicted_per_req, hi.evicted_per_req),
+        ):
+            print(f"  | {label} | {a:,.3f} | {b:,.3f} | {b / a if a else 0:.2f} |")
+        for op in OPS:
+            a, b = lo.op_us[op], hi.op_us[op]
+            print(f"  | µs/req in {op} | {a:.2f} | {b:.2f} | {b / a if a else 0:.2f} |")
+        a, b = sum(lo.op_us.values()), sum(hi.op_us.values())
+        print(f"  | µs/req, sum of ops (timers on) | {a:.2f} | {b:.2f} | {b / a:.2f} |")
+        for p in (lo, hi):
+            print(f"  # warm-up chunk hit rates at {p.capacity:,}: "
+                  + " ".join(f"{r:.3f}" for r in p.warm_hit_rates))
+    del traces
+    small_ns = min(probe_ns(sizes[0]) for _ in range(args.repeat))
+    large_ns = min(probe_ns(sizes[1]) for _ in range(args.repeat))
+    print(f"\n  control, one OrderedDict membership probe (random keys): "
+          f"{small_ns:.0f} ns -> {large_ns:.0f} ns: ratio {large_ns / small_ns:.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200_000)
@@ -246,7 +383,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="rounds; each round runs every configuration once, "
                         "interleaved, and the best round per configuration is kept")
     parser.add_argument("--scale-capacity", type=int, default=1_000_000)
-    parser.add_argument("--scale-requests", type=int, default=20_000)
+    parser.add_argument("--scale-requests", type=int, default=20_000,
+                        help="requests per timed scale window (two windows per size)")
+    parser.add_argument("--scale-warm-max", type=int, default=300_000,
+                        help="most warm-up requests per scale point")
+    parser.add_argument("--scale-tolerance", type=float, default=0.005,
+                        help="warm-up ends when a chunk's hit rate moves by at most this")
     parser.add_argument("--no-scale", action="store_true")
     parser.add_argument("--no-memory", action="store_true")
     args = parser.parse_args(argv)
@@ -295,10 +437,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("| impl | policy | lookups | req/s | µs/req | hit rate | bytes/block |")
     print("|---|---|---|---:|---:|---:|---:|")
-    for (impl, policy, mode), r in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        mem = f"{r['bytes_per_block']:.1f}" if "bytes_per_block" in r else "-"
-        print(f"| {impl} | {policy} | {mode} | {r['req_per_s']:,.0f} | {r['us_per_req']:.2f} | "
-              f"{r['hit_rate']:.4f} | {mem} |")
+    for (impl, policy, mode), row in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        mem = f"{row['bytes_per_block']:.1f}" if "bytes_per_block" in row else "-"
+        print(f"| {impl} | {policy} | {mode} | {row['req_per_s']:,.0f} | "
+              f"{row['us_per_req']:.2f} | {row['hit_rate']:.4f} | {mem} |")
     if args.peer:
         print()
         print("Speed-up (aiokvo req/s / vLLM req/s, same trace, interleaved rounds):")
@@ -312,30 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{ours['hit_rate']:.4f} vs {base['hit_rate']:.4f}")
 
     if not args.no_scale:
-        print()
-        print(f"Scale: µs/req (prefix lookups) on a manager prefilled to capacity, "
-              f"{args.scale_requests} requests, capacity {args.capacity} vs "
-              f"{args.scale_capacity} (universe 4x capacity), best of {args.repeat} "
-              f"interleaved rounds:")
-        small = Trace.generate(args.capacity, args.scale_requests, args.seed)
-        large = Trace.generate(args.scale_capacity, args.scale_requests, args.seed)
-        small_seqs, large_seqs = small.key_lists(), large.key_lists()
-        for policy in policies:
-            best: dict[int, Result] = {}
-            for _ in range(args.repeat):
-                for trace, seqs in ((small, small_seqs), (large, large_seqs)):
-                    r = scale_point(trace, seqs, policy)
-                    if trace.capacity not in best or r.us_per_req < best[trace.capacity].us_per_req:
-                        best[trace.capacity] = r
-            lo, hi = best[small.capacity], best[large.capacity]
-            print(f"  {policy}: {lo.us_per_req:.2f} µs (hit {lo.hit_rate:.3f}) -> "
-                  f"{hi.us_per_req:.2f} µs (hit {hi.hit_rate:.3f}): "
-                  f"ratio {hi.us_per_req / lo.us_per_req:.2f}")
-        del large, large_seqs
-        small_ns = min(probe_ns(args.capacity) for _ in range(args.repeat))
-        large_ns = min(probe_ns(args.scale_capacity) for _ in range(args.repeat))
-        print(f"  control, one OrderedDict membership probe (random keys): "
-              f"{small_ns:.0f} ns -> {large_ns:.0f} ns: ratio {large_ns / small_ns:.2f}")
+        scale_section(args, policies)
     print(f"\n# total {time.perf_counter() - t0:.0f}s")
     return 0
 
