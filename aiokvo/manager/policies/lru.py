@@ -71,10 +71,17 @@ class LRUCachePolicy(CachePolicy):
         deque(map(self._blocks.__delitem__, keys), maxlen=0)
 
     def touch(self, keys: Sequence[OffloadKey], writing: Container[OffloadKey]) -> None:
-        blocks = self._blocks
-        # Last key first, so the first key ends up most recent; lazily, so a
-        # key repeated in ``keys`` is handled exactly as a per-key loop would.
-        deque(map(blocks.move_to_end, filter(blocks.__contains__, reversed(keys))), maxlen=0)
+        # Last key first, so the first key ends up most recent. One probe per
+        # key: ``move_to_end`` itself finds the key, and an absent key (its
+        # KeyError) is skipped by resuming the same iterator after it.
+        move = self._blocks.move_to_end
+        order = reversed(keys)
+        while True:
+            try:
+                deque(map(move, order), maxlen=0)
+                return
+            except KeyError:
+                continue
 
     def evict(self, n: int, exclude: Sequence[Container[OffloadKey]]) -> Evicted | None:
         if n <= 0:
