@@ -17,6 +17,12 @@ Reported: requests/s, µs/request, block hit rate, bytes per cached block
 µs/request ratio between capacity 1M and 10k. ``--peer`` runs vLLM 0.32 on
 the same ``.npz`` with the peer's Python, side by side, and prints ratios.
 
+The scale section compares steady states: each size replays its own trace
+(universe 4x its capacity) from an empty manager until the pool is full and
+the hit rate stops moving, then times a window whole and a second window
+operation by operation, and prints hit rate, stored and evicted blocks per
+request and µs per operation at both sizes, so one sees which one grows.
+
     python benchmarks/bench_manager.py                       # aiokvo only
     python benchmarks/bench_manager.py --peer .vllm-peer/bin/python
 """
@@ -385,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale-capacity", type=int, default=1_000_000)
     parser.add_argument("--scale-requests", type=int, default=20_000,
                         help="requests per timed scale window (two windows per size)")
-    parser.add_argument("--scale-warm-max", type=int, default=300_000,
+    parser.add_argument("--scale-warm-max", type=int, default=400_000,
                         help="most warm-up requests per scale point")
     parser.add_argument("--scale-tolerance", type=float, default=0.005,
                         help="warm-up ends when a chunk's hit rate moves by at most this")
