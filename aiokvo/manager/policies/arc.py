@@ -91,25 +91,42 @@ class ARCCachePolicy(CachePolicy):
                 self.t2.pop(key, None)
 
     def touch(self, keys: Sequence[OffloadKey], writing: Container[OffloadKey]) -> None:
-        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
-        move_t2 = t2.move_to_end
-        for key in reversed(keys):
-            if key in t2:
+        move_t2 = self.t2.move_to_end
+        order = reversed(keys)
+        # The keys stored by this request come last in ``keys``, so first here,
+        # and are in T1: take them one by one until the first T2 key.
+        for key in order:
+            if key in self.t2:
                 move_t2(key)
-            elif key in t1:
-                if key in writing:
-                    # Still being written: not a second use, only refreshed.
-                    t1.move_to_end(key)
-                else:
-                    t2[key] = t1.pop(key)  # second use: promote to "frequent"
-            elif key in b1:
-                step = max(1, len(b2) / len(b1))
-                self.target_t1_size = min(self.target_t1_size + step, self.cache_capacity)
-                b1.move_to_end(key)
-            elif key in b2:
-                step = max(1, len(b1) / len(b2))
-                self.target_t1_size = max(self.target_t1_size - step, 0)
-                b2.move_to_end(key)
+                break
+            self._touch_outside_t2(key, writing)
+        else:
+            return
+        # The rest is mostly T2: move it in C, one probe per key; a key outside
+        # T2 raises KeyError, is handled alone, and ``map`` resumes after it.
+        while True:
+            try:
+                deque(map(move_t2, order), maxlen=0)
+                return
+            except KeyError as missing:
+                self._touch_outside_t2(missing.args[0], writing)
+
+    def _touch_outside_t2(self, key: OffloadKey, writing: Container[OffloadKey]) -> None:
+        t1, b1, b2 = self.t1, self.b1, self.b2
+        if key in t1:
+            if key in writing:
+                # Still being written: not a second use, only refreshed.
+                t1.move_to_end(key)
+            else:
+                self.t2[key] = t1.pop(key)  # second use: promote to "frequent"
+        elif key in b1:
+            step = max(1, len(b2) / len(b1))
+            self.target_t1_size = min(self.target_t1_size + step, self.cache_capacity)
+            b1.move_to_end(key)
+        elif key in b2:
+            step = max(1, len(b1) / len(b2))
+            self.target_t1_size = max(self.target_t1_size - step, 0)
+            b2.move_to_end(key)
 
     def evict(self, n: int, exclude: Sequence[Container[OffloadKey]]) -> Evicted | None:
         if n <= 0:
