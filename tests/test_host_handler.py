@@ -7,7 +7,7 @@ import contextlib
 import sys
 import threading
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -337,7 +337,12 @@ def test_apply_host_copies_moves_whole_pages(
     assert copy.nbytes == 12
 
 
-async def test_copy_threads_split_a_transfer_and_stay_exact() -> None:
+async def test_copy_threads_split_a_transfer_and_stay_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import aiokvo.handlers.host as host
+
+    monkeypatch.setattr(host, "SPLIT_MIN_BYTES", 0)  # split even this small transfer
     _, caches = _kv_caches("kv_first", [3, 2])
     spec_gpu = GPULoadStoreSpec([0, 5, 9, 11, 2, 3], [4, 2], [0, 0])
     spec_cpu = CPULoadStoreSpec([7, 1, 4, 0, 2, 3])
@@ -363,6 +368,7 @@ async def test_a_failing_share_fails_the_whole_transfer(monkeypatch: pytest.Monk
     import aiokvo.handlers.host as host
 
     _, caches = _kv_caches("kv_first", [2])
+    monkeypatch.setattr(host, "SPLIT_MIN_BYTES", 0)
     real = host.apply_host_copies
     calls = 0
 
@@ -514,9 +520,8 @@ def test_quickstart_demo_exits_non_zero_on_corrupt_reload(
         for copy in copies:  # damage the first page written by every copy
             if copy.dst_rows.size:
                 row = int(copy.dst_rows[0])
-                page = bytearray(bytes(copy.dst[row]))
-                page[0] = (page[0] + 1) % 256  # not an involution: stays wrong on reload
-                copy.dst[row] = np.void(bytes(page))
+                page = copy.dst[row : row + 1].view(np.uint8).reshape(-1)  # either page view
+                page[0] = (int(page[0]) + 1) % 256  # not an involution: stays wrong on reload
 
     monkeypatch.setattr(host, "apply_host_copies", corrupting)
     demo = _load_quickstart()
@@ -584,3 +589,193 @@ async def test_many_tiny_transfers_pipelined_are_byte_exact_and_fifo() -> None:
         assert _page(handlers.cpu_tensors[0], cpu_block, 0, page) == _gpu_row(
             caches, 0, last % NUM_GPU_BLOCKS
         )
+
+
+def test_page_views_are_int64_words_only_where_pages_are_aligned_words() -> None:
+    import aiokvo.handlers.host as host
+
+    pool = torch.arange(6 * 32, dtype=torch.int8).reshape(6, 32)
+    words = host._page_elements(pool, 1, 32)
+    assert words.dtype == np.int64 and words.shape == (6, 4)
+    assert host._page_elements(pool, 2, 16).shape == (12, 2)  # sub-blocks of a row
+    flat = torch.zeros(6 * 32 + 1, dtype=torch.int8)
+    fallbacks = {
+        "12-byte pages": (torch.zeros(6, 12, dtype=torch.int8), 12),
+        "pointer off by one byte": (flat[1:].view(6, 32), 32),
+        "36-byte row stride": (torch.zeros(6, 36, dtype=torch.int8), 32),
+    }
+    for name, (tensor, nbytes) in fallbacks.items():
+        view = host._page_elements(tensor, 1, nbytes)
+        assert view.dtype == np.dtype((np.void, nbytes)) and view.shape == (6,), name
+    # Both kinds of view move the same bytes.
+    for as_words in (True, False):
+        dst = torch.zeros(4, 32, dtype=torch.int8)
+        pages = host._page_words if as_words else host._page_voids
+        src_pages, dst_pages = pages(pool, 1, 32), pages(dst, 1, 32)
+        assert src_pages is not None and dst_pages is not None
+        copy = HostCopy(
+            src_pages,
+            dst_pages,
+            np.array([5, 0, 3]),
+            np.array([2, 0, 1]),
+            None,
+            None,
+        )
+        assert copy.nbytes == 3 * 32
+        apply_host_copies([copy])
+        assert dst[[2, 0, 1]].tolist() == pool[[5, 0, 3]].tolist() and not dst[3].any()
+
+
+@pytest.mark.parametrize("page_elems", [3, 24])  # 12-byte pages (np.void) and 96-byte (int64)
+async def test_split_round_trip_is_byte_exact_for_both_page_views(
+    page_elems: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import aiokvo.handlers.host as host
+
+    monkeypatch.setattr(host, "SPLIT_MIN_BYTES", 0)
+    _, caches = _kv_caches("kv_first", [3, 2], page_elems=page_elems)
+    gpu_spec = GPULoadStoreSpec([0, 5, 9, 11, 2, 3], [4, 2], [0, 0])
+    cpu_spec = CPULoadStoreSpec([7, 1, 4, 0, 2, 3])
+    originals = {(t, b): _gpu_row(caches, t, b) for t in range(10) for b in range(NUM_GPU_BLOCKS)}
+    async with make_cpu_gpu_handlers(
+        caches, block_size_factor=1, num_cpu_blocks=8, copy_threads=2
+    ) as handlers:
+        assert (await handlers.gpu_to_cpu.transfer_async(1, (gpu_spec, cpu_spec))).success
+        load_spec = GPULoadStoreSpec([12, 13, 14, 15, 16, 17], [4, 2], [0, 0])
+        assert (await handlers.cpu_to_gpu.transfer_async(2, (cpu_spec, load_spec))).success
+        pairs = handlers.gpu_to_cpu._page_views.values()  # type: ignore[attr-defined]
+        dtypes = [view.dtype for pair in pairs for view in pair]
+    want = np.int64 if page_elems == 24 else np.dtype((np.void, 4 * page_elems))
+    assert len(dtypes) == 20 and all(dtype == want for dtype in dtypes)
+    moved = [([0, 5, 9, 11], [12, 13, 14, 15]), ([2, 3], [16, 17])]  # per group: GPU -> GPU
+    for g, (sources, targets) in enumerate(moved):
+        for ref in caches.group_data_refs[g]:
+            for src, dst in zip(sources, targets, strict=True):
+                assert _gpu_row(caches, ref.tensor_idx, dst) == originals[ref.tensor_idx, src]
+
+
+async def test_only_transfers_of_split_min_bytes_or_more_are_split(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import aiokvo.handlers.host as host
+
+    _, caches = _kv_caches("kv_first", [2])
+    real = host.apply_host_copies
+    threads: list[str] = []
+
+    def recording(copies: Sequence[HostCopy]) -> None:
+        threads.append(threading.current_thread().name)
+        real(copies)
+
+    monkeypatch.setattr(host, "apply_host_copies", recording)
+    spec = (GPULoadStoreSpec([0, 1], [2], [0]), CPULoadStoreSpec([0, 1]))
+    async with make_cpu_gpu_handlers(
+        caches, block_size_factor=1, num_cpu_blocks=4, copy_threads=2
+    ) as handlers:
+        size = (await handlers.gpu_to_cpu.transfer_async(1, spec)).transfer_size
+        assert size is not None
+        assert size < host.SPLIT_MIN_BYTES and threads == ["aiokvo-host-g2c"]
+        monkeypatch.setattr(host, "SPLIT_MIN_BYTES", size + 1)
+        threads.clear()
+        assert (await handlers.gpu_to_cpu.transfer_async(2, spec)).success
+        assert threads == ["aiokvo-host-g2c"]
+        monkeypatch.setattr(host, "SPLIT_MIN_BYTES", size)
+        threads.clear()
+        assert (await handlers.gpu_to_cpu.transfer_async(3, spec)).success
+        assert sorted(threads) == ["aiokvo-host-g2c", "aiokvo-host-g2c-h_0"]
+
+
+async def test_split_transfers_complete_whole_and_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    import aiokvo.handlers.host as host
+
+    monkeypatch.setattr(host, "SPLIT_MIN_BYTES", 0)
+    _, caches = _kv_caches("blocks_first", [3])
+    real = host.apply_host_copies
+    gate = threading.Event()  # holds the helper's share of the first transfer
+    dispatch_share_done = threading.Event()
+
+    def gated(copies: Sequence[HostCopy]) -> None:
+        if threading.current_thread().name.endswith("-h_0"):
+            gate.wait()
+            real(copies)
+        else:
+            real(copies)
+            dispatch_share_done.set()
+
+    monkeypatch.setattr(host, "apply_host_copies", gated)
+    page = caches.tensors[0].page_size_bytes
+    async with make_cpu_gpu_handlers(
+        caches, block_size_factor=1, num_cpu_blocks=2, copy_threads=2
+    ) as handlers:
+        store = handlers.gpu_to_cpu
+        # Every job writes GPU block job into CPU block 1 of all three tensors: the last wins.
+        tasks = [
+            asyncio.ensure_future(
+                store.transfer_async(
+                    job, (GPULoadStoreSpec([job], [1], [0]), CPULoadStoreSpec([1]))
+                )
+            )
+            for job in range(20)
+        ]
+        await asyncio.to_thread(dispatch_share_done.wait)
+        await asyncio.sleep(0)
+        assert not any(task.done() for task in tasks)  # job 0 waits for its helper share
+        assert store.get_finished_nowait() == []
+        gate.set()
+        results = [await task for task in tasks]
+    assert all(r.success for r in results)
+    assert [r.job_id for r in results] == list(range(20))
+    for t in range(3):
+        assert _page(handlers.cpu_tensors[t], 1, 0, page) == _gpu_row(caches, t, 19)
+
+
+async def test_an_unaligned_side_makes_both_sides_fall_back_to_void_pages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import aiokvo.handlers.host as host
+
+    monkeypatch.setattr(host, "SPLIT_MIN_BYTES", 0)  # the split path, which prefers words
+    _, caches = _kv_caches("blocks_first", [1])
+    gpu = caches.tensors[0].tensor
+    page = caches.tensors[0].page_size_bytes
+    flat = torch.zeros(4 * page + 1, dtype=torch.int8)
+    pool = flat[1:].view(4, page)  # contiguous, but starts one byte past a word
+    store = HostOffloadingHandler(
+        caches, [pool], block_size_factor=1, gpu_to_cpu=True, copy_threads=2
+    )
+    async with store:
+        result = await store.transfer_async(
+            1, (GPULoadStoreSpec([7, 2], [2], [0]), CPULoadStoreSpec([3, 0]))
+        )
+        views = list(store._page_views.values())
+    assert result.success
+    assert [v.dtype for v in views[0]] == [np.dtype((np.void, page))] * 2
+    assert pool[3].numpy().tobytes() == gpu[7].numpy().tobytes()
+    assert pool[0].numpy().tobytes() == gpu[2].numpy().tobytes()
+    assert not pool[1:3].any()
+
+
+@pytest.mark.parametrize("copy_threads", [1, 2])
+async def test_unsplit_transfers_use_void_pages_and_split_ones_int64_words(
+    copy_threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import aiokvo.handlers.host as host
+
+    _, caches = _kv_caches("blocks_first", [2])
+    spec = (GPULoadStoreSpec([4, 9], [2], [0]), CPULoadStoreSpec([1, 0]))
+    async with make_cpu_gpu_handlers(
+        caches, block_size_factor=1, num_cpu_blocks=2, copy_threads=copy_threads
+    ) as handlers:
+        store = handlers.gpu_to_cpu
+        assert (await store.transfer_async(1, spec)).success  # small: never split
+        monkeypatch.setattr(host, "SPLIT_MIN_BYTES", 0)
+        assert (await store.transfer_async(2, spec)).success  # split only with 2 threads
+        kinds = {key[-1]: pair[0].dtype for key, pair in store._page_views.items()}  # type: ignore[attr-defined]
+    page = caches.tensors[0].page_size_bytes
+    want: dict[bool, np.dtype[Any]] = {False: np.dtype((np.void, page))}
+    if copy_threads == 2:
+        want[True] = np.dtype(np.int64)
+    assert kinds == want
+    for t in range(2):
+        assert _page(handlers.cpu_tensors[t], 1, 0, page) == _gpu_row(caches, t, 4)
+        assert _page(handlers.cpu_tensors[t], 0, 0, page) == _gpu_row(caches, t, 9)

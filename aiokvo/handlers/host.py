@@ -14,12 +14,17 @@ microseconds: spec-independent checks and page views are cached, the
 dispatch thread drains a plain deque (no ``Future`` per transfer), and one
 event object per transfer carries both completion and timing.
 
-The copy itself views every page as a single numpy element (a ``np.void`` of
-the page's size), so one fancy-indexing assignment per tensor moves all its
-pages with one ``memcpy`` each and without the GIL: never a Python loop per
-page. numpy is used rather than torch's ``index_copy_`` because the latter
-copies element by element and its intra-op thread pool collapses when the
-machine is oversubscribed (measured in ``benchmarks/results_host.md``).
+The copy does one fancy-indexing assignment per tensor, never a Python loop
+per page, over one of two page views. By default every page is one ``np.void``
+element, which numpy copies holding the GIL. With ``copy_threads > 1``, a
+transfer of ``SPLIT_MIN_BYTES`` or more views its pages as 2-D int64 rows
+(when they are whole, aligned 8-byte words on both sides), which numpy copies
+with the GIL released, and splits its tensors between the dispatch thread and
+the helpers. That is faster while the event loop waits, but each tensor's copy
+must win the GIL back, which a busy loop delays by up to the switch interval
+(the GIL convoy), so it is opt-in. numpy is used rather than torch's
+``index_copy_``, which was slower on the same rows (measured in
+``benchmarks/results_host.md``).
 
 Fault injection: pass ``copy_fn`` to run something else on the dispatch
 thread in place of :func:`apply_host_copies`. Whatever it raises fails that
@@ -56,17 +61,26 @@ __all__ = [
 ]
 
 DEFAULT_COPY_THREADS = 1
-"""Threads sharing one transfer's copies, dispatch thread included. One is the
-measured best on the shared 2-core box (see ``benchmarks/results_host.md``);
-more helps only where cores are idle."""
+"""Threads sharing one transfer's copies, dispatch thread included. One keeps the
+copy holding the GIL, which is safe next to a busy event loop; two copy 32 KiB
+pages ~1.4x faster while the loop is idle but can starve when it is busy (the
+GIL convoy measured in ``benchmarks/results_host.md``), so it is opt-in."""
+
+SPLIT_MIN_BYTES = 1 << 20
+"""With ``copy_threads > 1``, transfers of at least this many bytes are split
+across threads; smaller ones run whole on the dispatch thread, as with one
+thread: handing a share to a helper costs tens of microseconds, more than
+copying a few hundred KiB, and tiny transfers must stay cheap."""
 
 
 @dataclass(frozen=True, slots=True)
 class HostCopy:
     """Copy elements ``src_rows`` of ``src`` into elements ``dst_rows`` of ``dst``.
 
-    ``src`` and ``dst`` are 1-D numpy arrays whose elements are whole pages
-    (same ``np.void`` dtype), viewing the tensors' memory. ``*_start`` is
+    ``src`` and ``dst`` view the tensors' memory as pages along axis 0, the
+    same way on both sides: 2-D int64 ``(pages, page_bytes // 8)`` arrays, or
+    1-D arrays of ``np.void`` page elements where pages are not whole aligned
+    words (see :func:`_page_elements`). ``*_start`` is
     the first index when the indices form one ascending run (a slice then
     replaces fancy indexing and saves a pass), else ``None``.
     """
@@ -80,7 +94,9 @@ class HostCopy:
 
     @property
     def nbytes(self) -> int:
-        return int(self.src_rows.shape[0]) * int(self.src.dtype.itemsize)
+        src = self.src
+        page = src.itemsize * (int(src.shape[1]) if src.ndim == 2 else 1)
+        return int(self.src_rows.shape[0]) * page
 
 
 CopyFn = Callable[[Sequence[HostCopy]], None]
@@ -99,7 +115,7 @@ def apply_host_copies(copies: Sequence[HostCopy]) -> None:
             if src is not None:
                 dst[...] = src
             elif dst.flags.c_contiguous:
-                np.take(copy.src, copy.src_rows, out=dst)
+                np.take(copy.src, copy.src_rows, axis=0, out=dst)
             else:
                 dst[...] = copy.src[copy.src_rows]
         else:
@@ -147,8 +163,9 @@ class HostOffloadingHandler(SingleDirectionHandler):
         src, dst = (gpu, cpu) if gpu_to_cpu else (cpu, gpu)
         self._planner = TransferPlanner(kv_caches.group_data_refs, src, dst, block_size_factor)
         self._src_tensors, self._dst_tensors = src, dst
-        self._page_views: dict[tuple[bool, int, int, int], np.ndarray] = {}
-        self._copy_fn: CopyFn = copy_fn or self._copy_in_parallel
+        self._page_views: dict[tuple[int, int, int, int, bool], tuple[np.ndarray, np.ndarray]] = {}
+        self._copy_fn: CopyFn = copy_fn or _apply_alone
+        self._splits = copy_fn is None and copy_threads > 1
         direction = "g2c" if gpu_to_cpu else "c2g"
         self._dispatch = _DispatchThread(f"aiokvo-host-{direction}")
         self._helpers = (
@@ -161,7 +178,9 @@ class HostOffloadingHandler(SingleDirectionHandler):
 
     def _submit(self, job_id: int, spec: TransferSpec) -> Submission:
         plan = self._planner.plan(self._check_route(spec))
+        split = self._splits and plan.total_bytes >= SPLIT_MIN_BYTES
         pages = self._pages
+        views: tuple[np.ndarray, np.ndarray]
         copies: list[HostCopy] = []
         src_rows = dst_rows = None  # tensors of one group share their index arrays
         src_start = dst_start = None
@@ -170,10 +189,11 @@ class HostOffloadingHandler(SingleDirectionHandler):
                 src_rows, src_start = c.src_rows, _run_start(c.src_rows)
             if c.dst_rows is not dst_rows:
                 dst_rows, dst_start = c.dst_rows, _run_start(c.dst_rows)
+            views = pages(c.tensor_idx, plan.src_factor, plan.dst_factor, c.nbytes, split)
             copies.append(
                 HostCopy(
-                    pages(True, c.tensor_idx, plan.src_factor, c.nbytes),
-                    pages(False, c.tensor_idx, plan.dst_factor, c.nbytes),
+                    views[0],
+                    views[1],
                     c.src_rows,
                     c.dst_rows,
                     src_start,
@@ -181,7 +201,7 @@ class HostOffloadingHandler(SingleDirectionHandler):
                 )
             )
         event = _TimedHostEvent()
-        self._dispatch.submit(self._copy_fn, copies, event)
+        self._dispatch.submit(self._copy_in_parallel if split else self._copy_fn, copies, event)
         return Submission(
             source=event, transfer_size=plan.total_bytes, lane=self._lane, elapsed=event.elapsed
         )
@@ -208,7 +228,8 @@ class HostOffloadingHandler(SingleDirectionHandler):
 
     def _copy_in_parallel(self, copies: Sequence[HostCopy]) -> None:
         helpers = self._helpers
-        if helpers is None or len(copies) < 2:
+        assert helpers is not None
+        if len(copies) < 2:
             apply_host_copies(copies)
             return
         shares = _split_by_bytes(copies, self.copy_threads)
@@ -223,14 +244,32 @@ class HostOffloadingHandler(SingleDirectionHandler):
         if error is not None:
             raise error
 
-    def _pages(self, src: bool, tensor_idx: int, factor: int, nbytes: int) -> np.ndarray:
-        """Tensor ``tensor_idx`` as a 1-D array of ``nbytes``-sized page elements (cached)."""
-        key = (src, tensor_idx, factor, nbytes)
-        view = self._page_views.get(key)
-        if view is None:
-            tensor = (self._src_tensors if src else self._dst_tensors)[tensor_idx]
-            view = self._page_views[key] = _page_elements(tensor, factor, nbytes)
-        return view
+    def _pages(
+        self, tensor_idx: int, src_factor: int, dst_factor: int, nbytes: int, words: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Source and destination tensor ``tensor_idx`` as ``nbytes`` pages along axis 0
+        (cached), the same kind on both sides: int64 words if ``words`` and both sides
+        allow it (the copy then releases the GIL), else ``np.void`` pages (it holds it)."""
+        key = (tensor_idx, src_factor, dst_factor, nbytes, words)
+        views = self._page_views.get(key)
+        if views is None:
+            src, dst = self._src_tensors[tensor_idx], self._dst_tensors[tensor_idx]
+            as_words = (
+                (_page_words(src, src_factor, nbytes), _page_words(dst, dst_factor, nbytes))
+                if words
+                else (None, None)
+            )
+            if as_words[0] is not None and as_words[1] is not None:
+                views = (as_words[0], as_words[1])
+            else:
+                views = (_page_voids(src, src_factor, nbytes), _page_voids(dst, dst_factor, nbytes))
+            self._page_views[key] = views
+        return views
+
+
+def _apply_alone(copies: Sequence[HostCopy]) -> None:
+    """:func:`apply_host_copies`, looked up when called (tests replace it)."""
+    apply_host_copies(copies)
 
 
 class _TimedHostEvent(HostEvent):
@@ -320,13 +359,44 @@ class _DispatchThread:
                 return
 
 
-def _page_elements(tensor: torch.Tensor, factor: int, nbytes: int) -> np.ndarray:
-    """``(rows, width)`` int8 as ``rows * factor`` page elements of ``nbytes`` each."""
+_WORD = 8
+
+
+def _page_rows(tensor: torch.Tensor, factor: int, nbytes: int) -> np.ndarray:
+    """``(rows, width)`` int8 as ``(rows * factor, nbytes)`` int8: one row per page."""
     rows, width = (int(n) for n in tensor.shape)
     if factor > 1:
         tensor = tensor.view(rows * factor, width // factor)
-    array = tensor.numpy()[:, :nbytes]
-    return array.view(np.dtype((np.void, nbytes))).reshape(-1)
+    return tensor.numpy()[:, :nbytes]
+
+
+def _page_words(tensor: torch.Tensor, factor: int, nbytes: int) -> np.ndarray | None:
+    """The pages as an ``(pages, nbytes // 8)`` int64 array, or ``None`` where a page
+    does not start on and span whole 8-byte words.
+
+    On int64 rows numpy copies each page with a word loop and releases the GIL,
+    so helper threads copy in parallel; on ``np.void`` elements it was slower on
+    one thread and did not scale to two (``benchmarks/results_host.md``).
+    """
+    array = _page_rows(tensor, factor, nbytes)
+    address = int(array.__array_interface__["data"][0])
+    if nbytes % _WORD or address % _WORD or int(array.strides[0]) % _WORD:
+        return None
+    return array.view(np.int64)
+
+
+def _page_voids(tensor: torch.Tensor, factor: int, nbytes: int) -> np.ndarray:
+    """The pages as a 1-D array of ``np.void`` elements of ``nbytes`` (any alignment)."""
+    return _page_rows(tensor, factor, nbytes).view(np.dtype((np.void, nbytes))).reshape(-1)
+
+
+def _page_elements(tensor: torch.Tensor, factor: int, nbytes: int) -> np.ndarray:
+    """The pages along axis 0: int64 words where aligned, else ``np.void`` elements.
+
+    A copy needs the same kind on both sides; the handler checks both (``_pages``).
+    """
+    words = _page_words(tensor, factor, nbytes)
+    return words if words is not None else _page_voids(tensor, factor, nbytes)
 
 
 def _split_by_bytes(copies: Sequence[HostCopy], parts: int) -> list[list[HostCopy]]:
