@@ -92,37 +92,11 @@ class _Setter:
         self.thread.join()
 
 
-class NotifyingHostEvent(HostEvent):
-    """A HostEvent that also wakes the poller itself (``NotifyingSource``), so
-    thread mode needs no waiter thread. A what-if for ``HostEvent``."""
+class WaitOnlyHostEvent(HostEvent):
+    """A HostEvent with its ``notify_when_done`` hidden, so thread mode must park a
+    waiter thread in ``synchronize()`` (as for a CUDA event) — the "thread" completer."""
 
-    __slots__ = ("_lock", "_wakes")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._lock = threading.Lock()
-        self._wakes: list[Callable[[], None]] = []
-
-    def notify_when_done(self, wake: Callable[[], None]) -> None:
-        with self._lock:
-            if not self._event.is_set():
-                self._wakes.append(wake)
-                return
-        wake()
-
-    def _fire(self) -> None:
-        with self._lock:
-            wakes, self._wakes = self._wakes, []
-        for wake in wakes:
-            wake()
-
-    def set(self) -> None:
-        super().set()
-        self._fire()
-
-    def set_exception(self, error: BaseException) -> None:
-        super().set_exception(error)
-        self._fire()
+    notify_when_done = None  # type: ignore[assignment]
 
 
 class DeadlineSource:
@@ -153,7 +127,7 @@ async def _wakeups(
 
     async def once(record: bool) -> None:
         if completer in ("thread", "notify"):
-            source = HostEvent() if completer == "thread" else NotifyingHostEvent()
+            source = WaitOnlyHostEvent() if completer == "thread" else HostEvent()
             future = poller.watch("bench", source)
             setter.jobs.put((source, delay))
             await future
@@ -188,9 +162,9 @@ def bench_wakeup(quick: bool) -> None:
     emit("## 1. Wake-up latency (source completes -> awaiting coroutine resumes)")
     emit()
     emit(
-        "`completer=thread`: a Python thread sleeps `delay`, then sets a HostEvent "
+        "`completer=thread`: a Python thread sleeps `delay`, then sets a wait-only HostEvent "
         "(the host backend's case; it needs the GIL). `completer=notify`: the same, "
-        "with a HostEvent that wakes the poller itself (`NotifyingSource`), "
+        "with the real HostEvent, which wakes the poller itself (`NotifyingSource`), "
         "so thread mode needs no waiter thread. "
         "`completer=deadline`: the source "
         "becomes complete `delay` after submission with no Python involved (a device "

@@ -281,44 +281,12 @@ async def test_thread_mode_skips_the_thread_for_sources_already_done() -> None:
     assert poller.active_threads == 0
 
 
-class NotifyingEvent(HostEvent):
-    """A HostEvent that wakes whoever asked once it is set (a NotifyingSource)."""
-
-    __slots__ = ("_lock", "_wakes")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._lock = threading.Lock()
-        self._wakes: list[Callable[[], None]] = []
-
-    def notify_when_done(self, wake: Callable[[], None]) -> None:
-        with self._lock:
-            if not self._event.is_set():
-                self._wakes.append(wake)
-                return
-        wake()
-
-    def _fire(self) -> None:
-        with self._lock:
-            wakes, self._wakes = self._wakes, []
-        for wake in wakes:
-            wake()
-
-    def set(self) -> None:
-        super().set()
-        self._fire()
-
-    def set_exception(self, error: BaseException) -> None:
-        super().set_exception(error)
-        self._fire()
-
-
 @pytest.mark.both_loops
 async def test_notifying_sources_need_no_waiter_thread_and_keep_lane_order() -> None:
     poller = EventPoller(mode="thread")
-    assert isinstance(NotifyingEvent(), NotifyingSource)
+    assert isinstance(HostEvent(), NotifyingSource)
     order: list[int] = []
-    sources = [NotifyingEvent() for _ in range(50)]
+    sources = [HostEvent() for _ in range(50)]
     sources[0].set()  # done before it is watched: woken at once
     futures = []
     for i, source in enumerate(sources):
@@ -340,7 +308,7 @@ async def test_notifying_sources_need_no_waiter_thread_and_keep_lane_order() -> 
 
 async def test_close_fails_pending_notifying_sources() -> None:
     poller = EventPoller(mode="thread")
-    source = NotifyingEvent()
+    source = HostEvent()
     future = poller.watch("lane", source)
     poller.close()
     with pytest.raises(PollerClosedError):
