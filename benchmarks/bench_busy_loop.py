@@ -52,7 +52,9 @@ class DeadlineSource:
             time.sleep(remaining)
 
 
-async def _with_busy_loop(busy_ms: float, body: Callable[[], Awaitable[list[float]]]) -> list[float]:
+async def _with_busy_loop(
+    busy_ms: float, body: Callable[[], Awaitable[list[float]]]
+) -> list[float]:
     stop = False
 
     async def busy() -> None:
