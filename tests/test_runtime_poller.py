@@ -315,3 +315,51 @@ async def test_close_fails_pending_notifying_sources() -> None:
         await future
     source.set()  # a late wake after close is harmless
     await asyncio.sleep(0.01)
+
+
+class StarvedWaiterSource:
+    """Completes when ``done`` is set, but its ``synchronize`` stays blocked until
+    ``release`` — a waiter thread that cannot get the GIL behind a busy loop."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.release = threading.Event()
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.release.wait(10)
+
+
+@pytest.mark.both_loops
+async def test_thread_mode_delivers_from_the_loop_when_the_waiter_is_starved() -> None:
+    poller = EventPoller(mode="thread")
+    first, second = StarvedWaiterSource(), StarvedWaiterSource()
+    calls: list[tuple[str, BaseException | None]] = []
+    poller.add_callback("lane", first, lambda e: calls.append(("first", e)))
+    poller.add_callback("lane", second, lambda e: calls.append(("second", e)))
+    second.done = True
+    await asyncio.sleep(0.02)
+    assert calls == []  # the head is not done: order holds, nothing overtakes it
+    first.done = True
+    await until(lambda: len(calls) == 2)
+    assert calls == [("first", None), ("second", None)]
+    first.release.set()  # the waiter thread wakes late: it must not deliver again
+    second.release.set()
+    await asyncio.sleep(0.05)
+    assert calls == [("first", None), ("second", None)]
+    assert poller.pending == 0
+    poller.close()
+
+
+async def test_thread_mode_fallback_poll_stops_when_nothing_is_pending() -> None:
+    poller = EventPoller(mode="thread")
+    source = StarvedWaiterSource()
+    future = poller.watch("lane", source)
+    source.done = True
+    await asyncio.wait_for(future, 5)
+    await asyncio.sleep(0.01)
+    assert poller._fallback_handle is None  # no timer left running while idle
+    source.release.set()
+    poller.close()

@@ -21,7 +21,10 @@ Three ways to wait, chosen per poller and overridable per lane:
     own Python threads may offer ``notify_when_done(wake)`` (see
     :class:`NotifyingSource`); then no waiter thread is needed: the
     completing thread wakes the loop itself. Device sources must not do
-    this from a driver callback (``cudaLaunchHostFunc``).
+    this from a driver callback (``cudaLaunchHostFunc``). While a waiter
+    lane has work, the loop also polls its head every millisecond: a loop
+    busy running Python can starve the waiter thread of the GIL for
+    seconds, and this bounds delivery at about 1 ms (docs/async.md).
 
 With nothing pending the poller schedules no timers and its threads sleep
 on a condition (exiting after ``idle_thread_timeout``), so it uses no CPU.
@@ -57,6 +60,11 @@ CompletionCallback: TypeAlias = Callable[[BaseException | None], None]
 
 DEFAULT_POLLER_MODE: PollerMode = "thread"
 """Chosen from ``benchmarks/bench_async.py``; see ``docs/async.md``."""
+
+_FALLBACK_POLL = 0.001
+"""Seconds between the loop's own polls of ``thread``-mode waiter lanes while
+sources are pending: the bound on delivery when the waiter thread is starved
+of the GIL by a busy loop."""
 
 POLLER_MODE_ENV = "AIOKVO_POLLER_MODE"
 """Environment variable that overrides the default mode of new pollers."""
@@ -140,6 +148,34 @@ class _LaneWaiter:
     def _stopped(self) -> bool:
         return self._closed
 
+    def poll_from_loop(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """On the loop thread: hand over every finished head; True while work remains.
+
+        The waiter thread needs the GIL to deliver, and a loop busy running
+        Python can starve it for seconds (see docs/async.md); this fallback,
+        run on a 1 ms timer while sources are pending, bounds the delay. It
+        pops under the same lock as the thread and schedules with
+        ``call_soon``, so batches keep their order and each source is
+        delivered once.
+        """
+        with self._cond:
+            if self._closed:
+                return False
+            batch: list[tuple[CompletionCallback, BaseException | None]] = []
+            while self._queue:
+                source, callback = self._queue[0]
+                error: BaseException | None = None
+                try:
+                    if not source.query():
+                        break
+                except BaseException as exc:
+                    error = exc
+                self._queue.popleft()
+                batch.append((callback, error))
+            if batch:
+                loop.call_soon(self._poller._run_batch, batch)
+            return bool(self._queue)
+
     def _run(self) -> None:
         timeout = self._poller.idle_thread_timeout
         while True:
@@ -149,7 +185,8 @@ class _LaneWaiter:
                 if self._closed or not self._queue:
                     self._alive = False
                     return
-                source, callback = self._queue[0]
+                head = self._queue[0]
+            source, callback = head
             error: BaseException | None = None
             try:
                 source.synchronize()
@@ -160,7 +197,10 @@ class _LaneWaiter:
                 if self._stopped():  # closed while we were blocked
                     self._alive = False
                     return
-                self._queue.popleft()
+                if self._queue and self._queue[0] is head:
+                    self._queue.popleft()
+                else:  # the loop's fallback poll delivered it already
+                    batch.clear()
                 # Whatever else already finished rides on the same wake-up.
                 while self._queue:
                     source, callback = self._queue[0]
@@ -174,7 +214,7 @@ class _LaneWaiter:
                     batch.append((callback, error))
                 # Hand over while still holding the lock, so that a completion the
                 # loop finds already done (see ``is_empty``) cannot overtake this batch.
-                if not self._poller._deliver_threadsafe(batch):
+                if batch and not self._poller._deliver_threadsafe(batch):
                     self._alive = False
                     return
 
@@ -262,6 +302,7 @@ class EventPoller:
         self._tick_is_timer = False
         self._spin_until = 0.0
         self._waiters: dict[Hashable, _LaneWaiter] = {}
+        self._fallback_handle: asyncio.TimerHandle | None = None
         self._notified: dict[Hashable, _NotifiedLane] = {}
         with EventPoller._registry_lock:
             existing = EventPoller._by_loop.get(loop)
@@ -365,6 +406,8 @@ class EventPoller:
                     loop.call_soon(self._run_batch, [(callback, error)])
                     return
             waiter.push((source, callback))
+            if self._fallback_handle is None:
+                self._fallback_handle = loop.call_later(_FALLBACK_POLL, self._fallback_poll)
             return
         if lane_mode not in _MODES:
             raise ConfigError(f"mode must be one of {', '.join(_MODES)}; got {lane_mode!r}")
@@ -398,6 +441,9 @@ class EventPoller:
         if self._tick_handle is not None:
             self._tick_handle.cancel()
             self._tick_handle = None
+        if self._fallback_handle is not None:
+            self._fallback_handle.cancel()
+            self._fallback_handle = None
         pending: list[_Entry] = []
         for queue in self._lanes.values():
             pending.extend(queue)
@@ -426,6 +472,18 @@ class EventPoller:
         if self._closed or loop is None or loop.is_closed():
             raise PollerClosedError("the event poller is closed")
         return loop
+
+    def _fallback_poll(self) -> None:
+        """Poll the heads of waiter lanes from the loop (1 ms timer while any is pending)."""
+        self._fallback_handle = None
+        loop = self._loop_ref()
+        if self._closed or loop is None or loop.is_closed():
+            return
+        pending = False
+        for waiter in list(self._waiters.values()):
+            pending = waiter.poll_from_loop(loop) or pending
+        if pending:
+            self._fallback_handle = loop.call_later(_FALLBACK_POLL, self._fallback_poll)
 
     def _waiter_for(self, lane: Hashable) -> _LaneWaiter:
         waiter = self._waiters.get(lane)
