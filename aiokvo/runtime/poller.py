@@ -162,19 +162,23 @@ class _LaneWaiter:
             if self._closed:
                 return False
             batch: list[tuple[CompletionCallback, BaseException | None]] = []
-            while self._queue:
-                source, callback = self._queue[0]
-                error: BaseException | None = None
-                try:
-                    if not source.query():
-                        break
-                except BaseException as exc:
-                    error = exc
-                self._queue.popleft()
-                batch.append((callback, error))
+            self._pop_finished(batch)
             if batch:
                 loop.call_soon(self._poller._run_batch, batch)
             return bool(self._queue)
+
+    def _pop_finished(self, batch: list[tuple[CompletionCallback, BaseException | None]]) -> None:
+        """Move finished heads, in order, from the queue to ``batch`` (lock held)."""
+        while self._queue:
+            source, callback = self._queue[0]
+            error: BaseException | None = None
+            try:
+                if not source.query():
+                    break
+            except BaseException as exc:  # the source's failure is the result
+                error = exc
+            self._queue.popleft()
+            batch.append((callback, error))
 
     def _run(self) -> None:
         timeout = self._poller.idle_thread_timeout
@@ -202,16 +206,7 @@ class _LaneWaiter:
                 else:  # the loop's fallback poll delivered it already
                     batch.clear()
                 # Whatever else already finished rides on the same wake-up.
-                while self._queue:
-                    source, callback = self._queue[0]
-                    try:
-                        if not source.query():
-                            break
-                        error = None
-                    except BaseException as exc:
-                        error = exc
-                    self._queue.popleft()
-                    batch.append((callback, error))
+                self._pop_finished(batch)
                 # Hand over while still holding the lock, so that a completion the
                 # loop finds already done (see ``is_empty``) cannot overtake this batch.
                 if batch and not self._poller._deliver_threadsafe(batch):
