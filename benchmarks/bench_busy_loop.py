@@ -27,6 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import torch
+from bench_async import DeadlineSource  # this folder is on sys.path when run as a script
 
 from aiokvo.handlers.pair import make_cpu_gpu_handlers
 from aiokvo.layout import CanonicalKVCaches
@@ -35,21 +36,6 @@ from aiokvo.runtime.run import run
 from aiokvo.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 MODES: tuple[PollerMode, ...] = ("spin", "adaptive", "thread")
-
-
-class DeadlineSource:
-    """Completes at a point in time with no Python involved (models a device event)."""
-
-    def __init__(self, deadline: float) -> None:
-        self.deadline = deadline
-
-    def query(self) -> bool:
-        return time.perf_counter() >= self.deadline
-
-    def synchronize(self) -> None:
-        remaining = self.deadline - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
 
 
 async def _with_busy_loop(
