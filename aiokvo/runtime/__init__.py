@@ -10,10 +10,11 @@ from aiokvo.runtime.poller import (
     resolve_poller_mode,
 )
 from aiokvo.runtime.run import loop_factory, run
-from aiokvo.runtime.sources import CompletionSource, HostEvent
+from aiokvo.runtime.sources import AssistableSource, CompletionSource, HostEvent
 
 __all__ = [
     "DEFAULT_POLLER_MODE",
+    "AssistableSource",
     "POLLER_MODE_ENV",
     "CompletionCallback",
     "CompletionSource",

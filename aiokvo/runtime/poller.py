@@ -21,10 +21,15 @@ Three ways to wait, chosen per poller and overridable per lane:
     own Python threads may offer ``notify_when_done(wake)`` (see
     :class:`NotifyingSource`); then no waiter thread is needed: the
     completing thread wakes the loop itself. Device sources must not do
-    this from a driver callback (``cudaLaunchHostFunc``). While a waiter
-    lane has work, the loop also polls its head every millisecond: a loop
-    busy running Python can starve the waiter thread of the GIL for
-    seconds, and this bounds delivery at about 1 ms (docs/async.md).
+    this from a driver callback (``cudaLaunchHostFunc``). While a lane has
+    work, the loop also polls its head every millisecond: a loop busy
+    running Python can starve the waiter or completing thread of the GIL
+    for seconds, and this bounds delivery at about 1 ms (docs/async.md).
+
+In every mode, a pending head that is an
+:class:`~aiokvo.runtime.sources.AssistableSource` is asked to ``assist()``
+when polled from the loop: work its Python thread has not started in time
+(starved of the GIL) is then done on the loop thread, in order.
 
 With nothing pending the poller schedules no timers and its threads sleep
 on a condition (exiting after ``idle_thread_timeout``), so it uses no CPU.
@@ -62,9 +67,9 @@ DEFAULT_POLLER_MODE: PollerMode = "thread"
 """Chosen from ``benchmarks/bench_async.py``; see ``docs/async.md``."""
 
 _FALLBACK_POLL = 0.001
-"""Seconds between the loop's own polls of ``thread``-mode waiter lanes while
-sources are pending: the bound on delivery when the waiter thread is starved
-of the GIL by a busy loop."""
+"""Seconds between the loop's own polls of ``thread``-mode lanes while sources
+are pending: the bound on delivery when the thread that waits on or completes
+a source is starved of the GIL by a busy loop."""
 
 POLLER_MODE_ENV = "AIOKVO_POLLER_MODE"
 """Environment variable that overrides the default mode of new pollers."""
@@ -100,6 +105,12 @@ def resolve_poller_mode(mode: str | None = None) -> PollerMode:
     if mode not in _MODES:
         raise ConfigError(f"{origin} must be one of {', '.join(_MODES)}; got {mode!r}")
     return cast(PollerMode, mode)
+
+
+def _assist(source: CompletionSource) -> bool:
+    """Let ``source`` do overdue work on the loop thread; True if it did any."""
+    assist: Callable[[], bool] | None = getattr(source, "assist", None)
+    return assist is not None and assist()
 
 
 def _report_callback_error(loop: asyncio.AbstractEventLoop, error: BaseException) -> None:
@@ -235,6 +246,15 @@ class _NotifiedLane:
         self.wake_pending = True
         if not self._poller._call_threadsafe(self.drain):
             self.wake_pending = False
+
+    def poll_from_loop(self) -> bool:
+        """On the loop's fallback timer: deliver what finished, doing overdue work
+        first; True while work remains. Covers a completing thread starved of the
+        GIL, which can neither do the work nor send its wake-up."""
+        if self.queue:
+            _assist(self.queue[0][0])
+        self.drain()
+        return bool(self.queue)
 
     def drain(self) -> None:
         self.wake_pending = False
@@ -389,6 +409,8 @@ class EventPoller:
                     notified = self._notified[lane] = _NotifiedLane(self, lane)
                 notified.queue.append((source, callback))
                 notify(notified.wake)
+                if self._fallback_handle is None and notified.queue:
+                    self._fallback_handle = loop.call_later(_FALLBACK_POLL, self._fallback_poll)
                 return
             waiter = self._waiter_for(lane)
             if waiter.is_empty():
@@ -477,6 +499,8 @@ class EventPoller:
         pending = False
         for waiter in list(self._waiters.values()):
             pending = waiter.poll_from_loop(loop) or pending
+        for notified in list(self._notified.values()):
+            pending = notified.poll_from_loop() or pending
         if pending:
             self._fallback_handle = loop.call_later(_FALLBACK_POLL, self._fallback_poll)
 
@@ -548,7 +572,7 @@ class EventPoller:
                 source, callback = queue[0]
                 error: BaseException | None = None
                 try:
-                    if not source.query():
+                    if not source.query() and not (_assist(source) and source.query()):
                         break
                 except BaseException as exc:
                     error = exc

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-__all__ = ["CompletionSource", "HostEvent"]
+__all__ = ["AssistableSource", "CompletionSource", "HostEvent"]
 
 _LAZY_LOCK = threading.Lock()
 
@@ -29,6 +29,21 @@ class CompletionSource(Protocol):
     def synchronize(self) -> None:
         """Block the calling thread until complete; raises if it failed."""
         ...
+
+
+@runtime_checkable
+class AssistableSource(CompletionSource, Protocol):
+    """A source whose work waits on a Python thread, which the loop can do itself.
+
+    A loop that keeps running Python can starve another Python thread of
+    the GIL for seconds (docs/async.md, "GIL convoy"). The poller calls
+    ``assist()`` on the loop thread for a lane's oldest pending source;
+    when the thread that should do the work has not started it in time,
+    the source does it right there, in order, and returns True. It returns
+    False, quickly, when the work is under way or not yet overdue.
+    """
+
+    def assist(self) -> bool: ...
 
 
 class _Flag:
