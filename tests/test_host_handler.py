@@ -669,8 +669,8 @@ async def test_only_transfers_of_split_min_bytes_or_more_are_split(
 
     monkeypatch.setattr(host, "apply_host_copies", recording)
     spec = (GPULoadStoreSpec([0, 1], [2], [0]), CPULoadStoreSpec([0, 1]))
-    async with make_cpu_gpu_handlers(
-        caches, block_size_factor=1, num_cpu_blocks=4, copy_threads=2
+    async with make_cpu_gpu_handlers(  # inline_after=None: a slow box must not move copies
+        caches, block_size_factor=1, num_cpu_blocks=4, copy_threads=2, inline_after=None
     ) as handlers:
         size = (await handlers.gpu_to_cpu.transfer_async(1, spec)).transfer_size
         assert size is not None

@@ -26,6 +26,17 @@ must win the GIL back, which a busy loop delays by up to the switch interval
 ``index_copy_``, which was slower on the same rows (measured in
 ``benchmarks/results_host.md``).
 
+A loop that keeps running Python can starve the dispatch thread of the GIL
+for seconds (the GIL convoy, docs/async.md). Two things bound that delay:
+
+* A copy, once started, never needs the GIL back before the loop can see
+  it finished: the copies (:func:`host_copy_steps`), the completion mark
+  (``end``) and the dispatcher's release run as one pass of C-level calls,
+  with no Python bytecode at which the thread could be made to yield.
+* A copy the thread has not started ``inline_after`` seconds after it was
+  queued is run by the loop itself when the poller polls it (the
+  ``AssistableSource`` protocol), in order, one job at a time either way.
+
 Fault injection: pass ``copy_fn`` to run something else on the dispatch
 thread in place of :func:`apply_host_copies`. Whatever it raises fails that
 transfer (``TransferResult.success`` is false and ``error`` is the exception).
@@ -33,12 +44,15 @@ transfer (``TransferResult.success`` is false and ``error`` is the exception).
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import chain, repeat, starmap
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,10 +68,12 @@ from aiokvo.specs import TransferSpec
 
 __all__ = [
     "DEFAULT_COPY_THREADS",
+    "INLINE_AFTER",
     "CopyFn",
     "HostCopy",
     "HostOffloadingHandler",
     "apply_host_copies",
+    "host_copy_steps",
 ]
 
 DEFAULT_COPY_THREADS = 1
@@ -65,6 +81,12 @@ DEFAULT_COPY_THREADS = 1
 copy holding the GIL, which is safe next to a busy event loop; two copy 32 KiB
 pages ~1.4x faster while the loop is idle but can starve when it is busy (the
 GIL convoy measured in ``benchmarks/results_host.md``), so it is opt-in."""
+
+INLINE_AFTER = 0.002
+"""Seconds a queued copy may wait for the dispatch thread before the loop runs
+it itself. An idle loop lets the thread start within tens of microseconds, so
+this only fires when the thread is starved (a CPU-busy loop) or the machine is
+badly oversubscribed; either way the copy is done, in order, exactly once."""
 
 SPLIT_MIN_BYTES = 1 << 20
 """With ``copy_threads > 1``, transfers of at least this many bytes are split
@@ -103,23 +125,60 @@ CopyFn = Callable[[Sequence[HostCopy]], None]
 """What the dispatch thread runs for one transfer (see :func:`apply_host_copies`)."""
 
 
-def apply_host_copies(copies: Sequence[HostCopy]) -> None:
-    """Run ``copies`` in order on the calling thread (the GIL is released inside numpy)."""
+_GETITEM: Callable[[Any, Any], Any] = operator.getitem
+_SETITEM: Callable[[Any, Any, Any], None] = operator.setitem
+
+
+def host_copy_steps(copies: Sequence[HostCopy]) -> Iterator[object]:
+    """``copies`` as a lazy pass of C-level calls: exhausting it does the copies.
+
+    Everything Python has to decide (slices for runs, which call to use) is
+    decided here, up front; the returned iterator only calls numpy through
+    ``map``, so running it executes no Python bytecode, and the thread that
+    runs it cannot be made to give up the GIL half-way (see the module
+    docstring). A run on the destination with scattered sources is gathered
+    straight into place (``ndarray.take(..., out=)``); a run on both sides is
+    one slice assignment; anything else is one fancy-indexed assignment.
+    """
+    take_src: list[np.ndarray] = []
+    take_rows: list[Int64Array] = []
+    take_out: list[np.ndarray] = []
+    srcs: list[np.ndarray] = []
+    src_keys: list[Int64Array | slice] = []
+    dsts: list[np.ndarray] = []
+    dst_keys: list[Int64Array | slice] = []
     for copy in copies:
         n = int(copy.src_rows.shape[0])
         if n == 0:
             continue
-        src = copy.src[copy.src_start : copy.src_start + n] if copy.src_start is not None else None
+        src_key: Int64Array | slice = copy.src_rows
+        if copy.src_start is not None:
+            src_key = slice(copy.src_start, copy.src_start + n)
+        dst_key: Int64Array | slice = copy.dst_rows
         if copy.dst_start is not None:
-            dst = copy.dst[copy.dst_start : copy.dst_start + n]
-            if src is not None:
-                dst[...] = src
-            elif dst.flags.c_contiguous:
-                np.take(copy.src, copy.src_rows, axis=0, out=dst)
-            else:
-                dst[...] = copy.src[copy.src_rows]
-        else:
-            copy.dst[copy.dst_rows] = src if src is not None else copy.src[copy.src_rows]
+            dst_key = slice(copy.dst_start, copy.dst_start + n)
+            out = copy.dst[dst_key]
+            if copy.src_start is None and out.flags.c_contiguous:
+                take_src.append(copy.src)
+                take_rows.append(copy.src_rows)
+                take_out.append(out)
+                continue
+        srcs.append(copy.src)
+        src_keys.append(src_key)
+        dsts.append(copy.dst)
+        dst_keys.append(dst_key)
+    return chain(
+        map(np.ndarray.take, take_src, take_rows, repeat(0), take_out),
+        map(_SETITEM, dsts, dst_keys, map(_GETITEM, srcs, src_keys)),
+    )
+
+
+def apply_host_copies(copies: Sequence[HostCopy]) -> None:
+    """Run ``copies`` on the calling thread (see :func:`host_copy_steps`)."""
+    deque(host_copy_steps(copies), maxlen=0)
+
+
+_ORIGINAL_APPLY = apply_host_copies
 
 
 class HostOffloadingHandler(SingleDirectionHandler):
@@ -130,7 +189,10 @@ class HostOffloadingHandler(SingleDirectionHandler):
     int8, contiguous. ``gpu_to_cpu`` picks the direction (stores when true,
     loads when false). ``copy_threads`` threads share each transfer's
     copies; ``copy_fn`` replaces the copy (for fault injection) and then
-    runs alone on the dispatch thread.
+    runs alone on the dispatch thread. A copy still queued ``inline_after``
+    seconds after submission is run on the event loop when the poller polls
+    it (the dispatch thread is starved); ``None`` keeps every copy off the
+    loop, as do ``copy_fn`` and split copies (``copy_threads > 1``).
     """
 
     def __init__(
@@ -144,6 +206,7 @@ class HostOffloadingHandler(SingleDirectionHandler):
         max_buffered: int = DEFAULT_MAX_BUFFERED,
         copy_threads: int = DEFAULT_COPY_THREADS,
         copy_fn: CopyFn | None = None,
+        inline_after: float | None = INLINE_AFTER,
     ) -> None:
         super().__init__(
             ("GPU", "CPU") if gpu_to_cpu else ("CPU", "GPU"),
@@ -153,6 +216,13 @@ class HostOffloadingHandler(SingleDirectionHandler):
         _check_pool(kv_caches, cpu_tensors, block_size_factor)
         if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or copy_threads < 1:
             raise ConfigError(f"copy_threads must be an int >= 1, got {copy_threads!r}")
+        if inline_after is not None and (
+            isinstance(inline_after, bool)
+            or not isinstance(inline_after, (int, float))
+            or not inline_after >= 0
+        ):
+            raise ConfigError(f"inline_after must be None or seconds >= 0, got {inline_after!r}")
+        self.inline_after = None if inline_after is None else float(inline_after)
         self.kv_caches = kv_caches
         self.cpu_tensors: tuple[torch.Tensor, ...] = tuple(cpu_tensors)
         self.block_size_factor = block_size_factor
@@ -200,7 +270,10 @@ class HostOffloadingHandler(SingleDirectionHandler):
                     dst_start,
                 )
             )
-        event = _TimedHostEvent()
+        # Only the handler's own copy is ever run on the loop: a split copy waits on
+        # helper threads, and a caller's copy_fn may block on anything.
+        own = not split and self._copy_fn is _apply_alone
+        event = _TimedHostEvent(self._dispatch, self.inline_after if own else None)
         self._dispatch.submit(self._copy_in_parallel if split else self._copy_fn, copies, event)
         return Submission(
             source=event, transfer_size=plan.total_bytes, lane=self._lane, elapsed=event.elapsed
@@ -274,20 +347,38 @@ def _apply_alone(copies: Sequence[HostCopy]) -> None:
 
 class _TimedHostEvent(HostEvent):
     """The transfer's completion source, also holding the copy's start and end as
-    seen by the dispatch thread (queueing time excluded): one object per transfer."""
+    seen by whoever ran it (queueing time excluded): one object per transfer.
 
-    __slots__ = ("end", "start")
+    ``end`` doubles as the completion mark: it is written by the copy's last
+    C-level step, so :meth:`query` sees the copy finished even while the
+    copying thread waits for the GIL to call ``set()``.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_dispatch", "_patience", "end", "start")
+
+    def __init__(
+        self, dispatch: _DispatchThread | None = None, patience: float | None = None
+    ) -> None:
         super().__init__()
         self.start = 0.0
         self.end = 0.0
+        self._dispatch = dispatch
+        self._patience = patience
 
     def elapsed(self) -> float | None:
         return self.end - self.start if self.end else None
 
+    def query(self) -> bool:
+        return bool(self.end) or super().query()
 
-_Job = tuple[CopyFn, Sequence[HostCopy], _TimedHostEvent]
+    def assist(self) -> bool:
+        """On the loop thread: run the overdue queued copies (this one included)."""
+        if self._dispatch is None or self._patience is None or self.end:
+            return False
+        return self._dispatch.assist(self._patience)
+
+
+_Job = tuple[CopyFn, Sequence[HostCopy], _TimedHostEvent, float]
 
 
 class _DispatchThread:
@@ -299,6 +390,11 @@ class _DispatchThread:
     thread drains everything queued before it sleeps again, so a burst of
     small transfers costs one wake-up. It exits after ``idle_timeout``
     seconds without work and starts again on the next submission.
+
+    Jobs are claimed under the lock and run one at a time (``_busy``), by
+    the thread or, through :meth:`assist`, by the event loop when the thread
+    has not claimed an overdue job: whoever claims runs it, so each job runs
+    once and they start in order.
     """
 
     def __init__(self, name: str, idle_timeout: float = 5.0) -> None:
@@ -308,12 +404,13 @@ class _DispatchThread:
         self._cond = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
         self._idle = True  # true from before the thread looks for work until it runs again
+        self._busy = False  # a job is running, on the thread or on the loop
         self._shutdown = False
 
     def submit(self, copy_fn: CopyFn, copies: Sequence[HostCopy], event: _TimedHostEvent) -> None:
         if self._shutdown:
             raise RuntimeError(f"{self._name} was shut down")
-        self._queue.append((copy_fn, copies, event))
+        self._queue.append((copy_fn, copies, event, time.perf_counter()))
         # The thread sets _idle (under the lock) *before* its last look at the queue,
         # and we look at _idle *after* appending: one of the two sees the other.
         if self._idle:
@@ -324,6 +421,24 @@ class _DispatchThread:
                     self._thread.start()
                 else:
                     self._cond.notify()
+
+    def assist(self, patience: float) -> bool:
+        """Run, here and in order, each queued job older than ``patience`` seconds
+        that the thread has not claimed; True if any ran. For the loop thread."""
+        queue = self._queue
+        if self._busy or not queue or time.perf_counter() - queue[0][3] < patience:
+            return False  # the common case, decided without the lock
+        ran = False
+        while True:
+            with self._cond:
+                if self._busy or not queue or time.perf_counter() - queue[0][3] < patience:
+                    if ran and queue:
+                        self._cond.notify()  # the thread may be waiting for us to finish
+                    return ran
+                job = queue.popleft()
+                self._busy = True
+            _execute(job, self, inline=True)
+            ran = True
 
     def shutdown(self) -> None:
         """Stop the thread once the queue is empty, and join it."""
@@ -338,25 +453,56 @@ class _DispatchThread:
         queue = self._queue
         cond = self._cond
         while True:
-            while queue:
-                copy_fn, copies, event = queue.popleft()
-                event.start = time.perf_counter()
-                try:
-                    copy_fn(copies)
-                except BaseException as exc:  # the copy's failure is the transfer's result
-                    event.set_exception(exc)
-                else:
-                    event.end = time.perf_counter()
-                    event.set()
             with cond:
-                self._idle = True
-                if not queue and not self._shutdown:
-                    cond.wait(self._idle_timeout)
-                if queue:
-                    self._idle = False
-                    continue
-                self._thread = None  # idle too long, or shut down: the next submit restarts
-                return
+                if not queue or self._busy:
+                    self._idle = True
+                    if queue or not self._shutdown:
+                        cond.wait(self._idle_timeout)
+                    if not queue:
+                        # Idle too long, or shut down: the next submit restarts the thread.
+                        self._thread = None
+                        return
+                    if self._busy:
+                        continue  # the loop is running a job itself; it notifies when done
+                job = queue.popleft()
+                self._busy = True
+                self._idle = False
+            _execute(job, self, inline=False)
+
+
+def _execute(job: _Job, dispatch: _DispatchThread, *, inline: bool) -> None:
+    """Run one claimed job and publish its outcome; releases ``dispatch._busy``.
+
+    The copy, the completion mark (``event.end``) and the release are one
+    pass of C-level calls (``deque`` over ``chain``), so no Python bytecode
+    runs between the last byte copied and the loop being able to see it.
+    """
+    copy_fn, copies, event, _ = job
+    steps = _copy_steps(copy_fn, copies)
+    finish = map(
+        setattr,
+        (event, dispatch),
+        ("end", "_busy"),
+        chain(starmap(time.perf_counter, ((),)), (False,)),
+    )
+    event.start = time.perf_counter()
+    try:
+        deque(chain(steps, finish), maxlen=0)
+    except BaseException as exc:  # the copy's failure is the transfer's result
+        dispatch._busy = False
+        event.set_exception(exc)
+        if inline and not isinstance(exc, Exception):
+            raise  # never swallow KeyboardInterrupt & co. on the loop thread
+    else:
+        event.set()
+
+
+def _copy_steps(copy_fn: CopyFn, copies: Sequence[HostCopy]) -> Iterator[object]:
+    """The default copy as C-level steps; any other ``copy_fn`` (a split copy,
+    fault injection, a test's replacement of ``apply_host_copies``) as one call."""
+    if copy_fn is _apply_alone and apply_host_copies is _ORIGINAL_APPLY:
+        return host_copy_steps(copies)
+    return map(copy_fn, (copies,))
 
 
 _WORD = 8

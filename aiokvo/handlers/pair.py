@@ -78,7 +78,8 @@ def make_cpu_gpu_handlers(
     """Build both directions for ``kv_caches`` over a fresh CPU pool.
 
     ``options`` go to each handler's constructor (for the host backend:
-    ``poller_mode``, ``max_buffered``, ``copy_fn``). When the KV caches live
+    ``poller_mode``, ``max_buffered``, ``copy_threads``, ``copy_fn``,
+    ``inline_after``). When the KV caches live
     on a CUDA device, the call is delegated to
     ``aiokvo.handlers.cuda.pair.make_cuda_handlers`` with the same arguments;
     :class:`~aiokvo.errors.CudaUnavailableError` if that backend cannot load.
