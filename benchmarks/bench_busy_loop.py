@@ -7,15 +7,18 @@ thread (a host copy's dispatch thread, or a ``thread``-mode waiter parked in
 and immediately re-taking it at every ``select(0)``. CPython's GIL only forces
 a hand-off when a waiter saw no switch for a whole switch interval (5 ms), and
 each of the loop's own release/re-take counts as a switch, so the waiter can
-starve for seconds (the "convoy effect"). Polling modes deliver device-style
-completions on the loop thread itself and do not depend on the GIL hand-off.
+starve for seconds (the "convoy effect"). aiokvo works around it: the loop
+polls pending lanes itself (1 ms in ``thread`` mode), a started host copy
+marks itself done without needing the GIL back, and a host copy its thread
+has not started after ``inline_after`` runs on the loop (docs/async.md).
 
     python benchmarks/bench_busy_loop.py [--busy-ms 1.0] [--n 20]
 
 Prints p50/max delivery latency per poller mode, with the loop idle and busy,
 for (a) a source that completes with no Python (a CUDA event's case) and
 (b) a 64 MiB transfer through the real host handler (its copy runs on a
-Python thread). No thresholds: this measures a known limitation.
+Python thread). No thresholds: it reports the delay, the table in
+benchmarks/RESULTS.md has the before and after.
 """
 
 from __future__ import annotations
