@@ -545,3 +545,33 @@ def test_reuse_filter_delegates_events_and_shutdown() -> None:
     assert [(e.keys, e.removed) for e in events] == [([key(0)], False)]
     manager.shutdown()
     assert backing._sink._subscribers == []
+
+
+# -- prefix_len: the C-level run and where it stopped -----------------------------
+
+
+@pytest.mark.parametrize("policy_cls", [LRUCachePolicy, ARCCachePolicy])
+@pytest.mark.parametrize("shape", [list, tuple, iter])
+def test_prefix_len_counts_the_cached_run_for_every_input_shape(
+    policy_cls: type[CachePolicy], shape: type
+) -> None:
+    # ``prefix_len`` stops a C ``all`` at the first miss and reads the position
+    # off the list iterator; the answer must be the plain loop's, wherever the
+    # miss is (first key, middle, none) and whichever ARC list holds the keys.
+    rng = random.Random(7)
+    policy = policy_cls(64)
+    cached = [key(i) for i in range(40)]
+    policy.insert(cached, list(range(40)))
+    policy.touch(cached[::2], writing=set())  # ARC: even keys move to T2
+    absent = [key(100 + i) for i in range(20)]
+    for _ in range(200):
+        n = rng.randrange(0, 12)
+        keys = [rng.choice(cached) for _ in range(n)]
+        if rng.random() < 0.7:
+            keys.insert(rng.randrange(0, n + 1), rng.choice(absent))
+        want = 0
+        for k in keys:
+            if k not in policy:
+                break
+            want += 1
+        assert policy.prefix_len(shape(keys)) == want

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Container, Iterable, Iterator, Sequence
-from itertools import islice, repeat, takewhile
+from itertools import islice, repeat
+from operator import length_hint
 
 from aiokvo.keys import OffloadKey
 from aiokvo.manager.policies.base import CachePolicy, Evicted
@@ -66,12 +67,16 @@ class ARCCachePolicy(CachePolicy):
         return [key for key in keys if key not in t2 and key not in t1]
 
     def prefix_len(self, keys: Iterable[OffloadKey]) -> int:
-        # The leading run of T2 keys (most of a cached prefix) is counted by
-        # one C-level takewhile, with no Python step between probes, so on a
-        # large pool the CPU overlaps their cache misses; the rest is a loop.
+        # The leading run of T2 keys (most of a cached prefix) is probed by
+        # one C-level ``all``, with no Python step between probes, so on a
+        # large pool the CPU overlaps their cache misses; the list iterator
+        # then says where it stopped. The rest is a loop.
         keys = keys if isinstance(keys, (list, tuple)) else list(keys)
         t1, t2 = self.t1, self.t2
-        hits = len(list(takewhile(t2.__contains__, keys)))
+        rest = iter(keys)
+        if all(map(t2.__contains__, rest)):
+            return len(keys)
+        hits = len(keys) - length_hint(rest) - 1
         for key in islice(keys, hits, None):
             if key not in t2 and key not in t1:
                 break
