@@ -27,8 +27,14 @@ keys is re-indexed every ~250k requests at these store rates (~0.1 s each),
 so a shorter window either misses that cost or charges all of it to a few
 requests; at 0.3 x capacity both sizes pay it at about its average rate.
 
+``--paired A,B`` measures a small change on a noisy box: two managers
+(policies by name or module path) replay the same steady-state requests in
+lockstep chunks, alternating which goes first, and the per-chunk differences
+give a mean and its standard error, so load drift cancels.
+
     python benchmarks/bench_manager.py                       # aiokvo only
     python benchmarks/bench_manager.py --peer .vllm-peer/bin/python
+    python benchmarks/bench_manager.py --paired lru,mypkg.lru:LRU --paired-capacity 1000000
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -251,6 +258,25 @@ def replay_ops(
     return {op: t / n * 1e6 for op, t in spent.items()}, stored / n, evicted / n
 
 
+def warm_up(
+    manager: CPUOffloadingManager, sequences: list[list[OffloadKey]], requests: list[int],
+    chunk: int, tolerance: float,
+) -> tuple[int, list[float]]:
+    """Replay ``requests`` in chunks until the pool is full and the hit rate settles.
+
+    Returns how many requests were replayed and each chunk's hit rate.
+    """
+    rates: list[float] = []
+    done = 0
+    while done + chunk <= len(requests):
+        rates.append(replay(manager, sequences, requests[done : done + chunk], True).hit_rate)
+        done += chunk
+        full = manager.num_free_blocks == 0
+        if full and len(rates) >= 2 and abs(rates[-1] - rates[-2]) <= tolerance:
+            break
+    return done, rates
+
+
 def whole_window(capacity: int, minimum: int) -> int:
     """Requests timed whole at one size: enough to include table resizes.
 
@@ -278,16 +304,9 @@ def scale_point(
     the keys are ``bytes``, not tracked by the collector).
     """
     requests = trace.requests.tolist()
-    warm_budget = len(requests) - window - ops_window
     manager = CPUOffloadingManager(trace.capacity, policy)
-    rates: list[float] = []
-    done = 0
-    while done + chunk <= warm_budget:
-        rates.append(replay(manager, sequences, requests[done : done + chunk], True).hit_rate)
-        done += chunk
-        full = manager.num_free_blocks == 0
-        if full and len(rates) >= 2 and abs(rates[-1] - rates[-2]) <= tolerance:
-            break
+    done, rates = warm_up(manager, sequences, requests[: len(requests) - window - ops_window],
+                          chunk, tolerance)
     gc.collect()
     runs_before = [g["collections"] for g in gc.get_stats()]
     timed = replay(manager, sequences, requests[done : done + window], True, collect=False)
@@ -315,6 +334,38 @@ def probe_ns(capacity: int, probes: int = 1_000_000, seed: int = 0) -> float:
     start = time.perf_counter()
     assert all(map(contains, picks))
     return (time.perf_counter() - start) / probes * 1e9
+
+
+def paired_section(args: argparse.Namespace) -> None:
+    """Two policies on the same steady-state requests, in alternating lockstep chunks."""
+    names = args.paired.split(",")
+    if len(names) != 2:
+        raise SystemExit(f"--paired wants two policies A,B, got {args.paired!r}")
+    capacity, chunk = args.paired_capacity, args.paired_chunk
+    trace = Trace.generate(capacity, args.scale_warm_max + args.paired_requests, args.seed)
+    sequences, requests = trace.key_lists(), trace.requests.tolist()
+    first = CPUOffloadingManager(capacity, names[0])
+    warm, _ = warm_up(first, sequences, requests[: args.scale_warm_max],
+                      max(10_000, capacity // 20), args.scale_tolerance)
+    second = CPUOffloadingManager(capacity, names[1])
+    replay(second, sequences, requests[:warm], True)  # the same warm-up requests
+    managers = (first, second)
+    us: tuple[list[float], list[float]] = ([], [])
+    gc.collect()
+    for n, start in enumerate(range(warm, warm + args.paired_requests - chunk + 1, chunk)):
+        window = requests[start : start + chunk]
+        for side in (0, 1) if n % 2 == 0 else (1, 0):
+            us[side].append(replay(managers[side], sequences, window, True,
+                                   collect=False).us_per_req)
+    diffs = [b - a for a, b in zip(*us, strict=True)]
+    stderr = statistics.stdev(diffs) / len(diffs) ** 0.5
+    print(f"Paired at capacity {capacity:,}: {warm:,} warm-up requests each, then "
+          f"{len(diffs)} chunks of {chunk:,} requests, alternating which goes first.")
+    for name, timings in zip(names, us, strict=True):
+        print(f"  {name}: mean {statistics.mean(timings):.2f} µs/req, "
+              f"median {statistics.median(timings):.2f}")
+    print(f"  {names[1]} - {names[0]}: {statistics.mean(diffs):+.2f} ± {stderr:.2f} µs/req "
+          f"(mean ± standard error; median {statistics.median(diffs):+.2f})")
 
 
 # -- the peer --------------------------------------------------------------------
@@ -427,12 +478,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale-tolerance", type=float, default=0.005,
                         help="warm-up ends when a chunk's hit rate moves by at most this")
     parser.add_argument("--no-scale", action="store_true")
+    parser.add_argument("--paired", metavar="A,B",
+                        help="only a paired A/B of two policies (see the module docstring)")
+    parser.add_argument("--paired-capacity", type=int, default=10_000)
+    parser.add_argument("--paired-requests", type=int, default=100_000,
+                        help="requests replayed by both after the warm-up")
+    parser.add_argument("--paired-chunk", type=int, default=2_000)
     parser.add_argument("--no-memory", action="store_true")
     args = parser.parse_args(argv)
     policies = args.policies.split(",")
 
     print(f"# bench_manager  python {platform.python_version()}  nproc {os.cpu_count()}  "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    if args.paired:
+        paired_section(args)
+        return 0
     t0 = time.perf_counter()
     trace = Trace.load(args.load) if args.load else Trace.generate(
         args.capacity, args.requests, args.seed)
