@@ -157,20 +157,21 @@ def host_copy_steps(copies: Sequence[HostCopy]) -> Iterator[object]:
         dst_key: Int64Array | slice = copy.dst_rows
         if copy.dst_start is not None:
             dst_key = slice(copy.dst_start, copy.dst_start + n)
-            out = copy.dst[dst_key]
-            if copy.src_start is None and out.flags.c_contiguous:
-                take_src.append(copy.src)
-                take_rows.append(copy.src_rows)
-                take_out.append(out)
-                continue
+            if copy.src_start is None:
+                out = copy.dst[dst_key]
+                if out.flags.c_contiguous:
+                    take_src.append(copy.src)
+                    take_rows.append(copy.src_rows)
+                    take_out.append(out)
+                    continue
         srcs.append(copy.src)
         src_keys.append(src_key)
         dsts.append(copy.dst)
         dst_keys.append(dst_key)
-    return chain(
-        map(np.ndarray.take, take_src, take_rows, repeat(0), take_out),
-        map(_SETITEM, dsts, dst_keys, map(_GETITEM, srcs, src_keys)),
-    )
+    moves = map(_SETITEM, dsts, dst_keys, map(_GETITEM, srcs, src_keys))
+    if not take_src:
+        return moves
+    return chain(map(np.ndarray.take, take_src, take_rows, repeat(0), take_out), moves)
 
 
 def apply_host_copies(copies: Sequence[HostCopy]) -> None:
