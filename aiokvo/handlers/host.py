@@ -427,8 +427,14 @@ class _DispatchThread:
         """Run, here and in order, each queued job older than ``patience`` seconds
         that the thread has not claimed; True if any ran. For the loop thread."""
         queue = self._queue
-        if self._busy or not queue or time.perf_counter() - queue[0][3] < patience:
+        if self._busy:
             return False  # the common case, decided without the lock
+        try:
+            enqueued = queue[0][3]
+        except IndexError:  # empty, or the thread took the last job just now
+            return False
+        if time.perf_counter() - enqueued < patience:
+            return False
         ran = False
         while True:
             with self._cond:
