@@ -13,13 +13,13 @@ import asyncio
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
 
 from aiokvo.errors import DuplicateJobError, HandlerClosedError, TransferSpecError
-from aiokvo.handlers.task import DEFAULT_MAX_BUFFERED, ResultQueue, TransferTask
+from aiokvo.handlers.task import DEFAULT_MAX_BUFFERED, FinishedResults, ResultQueue, TransferTask
 from aiokvo.runtime.poller import EventPoller, PollerMode, resolve_poller_mode
 from aiokvo.runtime.sources import CompletionSource
 from aiokvo.specs import TransferResult, TransferSpec, TransferType
@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 
-class OffloadingHandler(ABC):
+class OffloadingHandler(FinishedResults, ABC):
     """Moves blocks in one or more directions; see DESIGN.md "Handlers and worker".
 
     Subclasses implement :meth:`transfer_async`, :meth:`wait` and
@@ -54,22 +54,6 @@ class OffloadingHandler(ABC):
         Raises :class:`~aiokvo.errors.TransferSpecError` (nothing enqueued)
         for bad input: a duplicate live ``job_id``, out-of-range blocks, ...
         """
-
-    def get_finished(self) -> AsyncIterator[TransferResult]:
-        """Each finished result once, in completion order; ends after :meth:`aclose`.
-
-        Several readers share one stream: each result goes to one of them.
-        """
-        return self._results.stream()
-
-    def get_finished_nowait(self) -> list[TransferResult]:
-        """The results finished since the last read, oldest first."""
-        return self._results.take_all()
-
-    @property
-    def dropped_results(self) -> int:
-        """Results discarded unread because the buffer was full (or disabled)."""
-        return self._results.dropped
 
     @abstractmethod
     async def wait(self, job_ids: Iterable[int]) -> None:

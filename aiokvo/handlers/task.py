@@ -14,7 +14,7 @@ from typing import Any
 from aiokvo.errors import ConfigError
 from aiokvo.specs import TransferResult
 
-__all__ = ["DEFAULT_MAX_BUFFERED", "ResultQueue", "TransferTask"]
+__all__ = ["DEFAULT_MAX_BUFFERED", "FinishedResults", "ResultQueue", "TransferTask"]
 
 DEFAULT_MAX_BUFFERED = 65_536
 """Results a handler keeps for ``get_finished`` before it drops the oldest."""
@@ -162,3 +162,29 @@ class _ResultStream:
         if result is None:
             raise StopAsyncIteration
         return result
+
+
+class FinishedResults:
+    """The finished-results half of the handler API, read from ``self._results``.
+
+    Shared by every handler and by the worker, which only differ in what
+    they put on the queue.
+    """
+
+    _results: ResultQueue
+
+    def get_finished(self) -> AsyncIterator[TransferResult]:
+        """Each finished result once, in completion order; ends after ``aclose``.
+
+        Several readers share one stream: each result goes to one of them.
+        """
+        return self._results.stream()
+
+    def get_finished_nowait(self) -> list[TransferResult]:
+        """The results finished since the last read, oldest first."""
+        return self._results.take_all()
+
+    @property
+    def dropped_results(self) -> int:
+        """Results discarded unread because the buffer was full (or disabled)."""
+        return self._results.dropped

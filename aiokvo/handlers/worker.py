@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from types import TracebackType
 from typing import Self
 
@@ -20,7 +20,7 @@ from aiokvo.errors import (
     UnknownRouteError,
 )
 from aiokvo.handlers.base import OffloadingHandler
-from aiokvo.handlers.task import DEFAULT_MAX_BUFFERED, ResultQueue, TransferTask
+from aiokvo.handlers.task import DEFAULT_MAX_BUFFERED, FinishedResults, ResultQueue, TransferTask
 from aiokvo.specs import LoadStoreSpec, TransferResult, TransferSpec, TransferType
 
 __all__ = ["OffloadingWorker"]
@@ -32,7 +32,7 @@ def _route_name(route: TransferType) -> str:
     return f"{route[0]}->{route[1]}"
 
 
-class OffloadingWorker:
+class OffloadingWorker(FinishedResults):
     """Routes transfers to the registered handlers; the same async API as a handler.
 
     Once registered, a handler's results go to the worker's stream (read
@@ -123,20 +123,6 @@ class OffloadingWorker:
     def _forget(self, task: TransferTask) -> None:
         if self._live.get(task.job_id) is task:
             del self._live[task.job_id]
-
-    # ------------------------------------------------------------------ results
-    def get_finished(self) -> AsyncIterator[TransferResult]:
-        """Every handler's results, each once, in completion order; ends after aclose."""
-        return self._results.stream()
-
-    def get_finished_nowait(self) -> list[TransferResult]:
-        """Results finished since the last read, across all handlers, oldest first."""
-        return self._results.take_all()
-
-    @property
-    def dropped_results(self) -> int:
-        """Results discarded unread because the buffer was full (or disabled)."""
-        return self._results.dropped
 
     async def wait(self, job_ids: Iterable[int]) -> None:
         """Return once every live transfer in ``job_ids`` has finished (others are ignored)."""
