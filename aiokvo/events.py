@@ -20,9 +20,9 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass
-from types import TracebackType
 from typing import TypeAlias
 
+from aiokvo._resource import AsyncResource
 from aiokvo.errors import ConfigError, SubscriptionClosed
 from aiokvo.manager.base import EventSink, OverflowPolicy
 from aiokvo.specs import OffloadingEvent
@@ -56,7 +56,7 @@ class _Gap:
         self.missed = missed
 
 
-class EventSubscription:
+class EventSubscription(AsyncResource):
     """One reader's bounded, in-order view of a manager's events.
 
     Created by :meth:`OffloadingManager.subscribe`, which attaches it to the
@@ -233,17 +233,6 @@ class EventSubscription:
 
     async def aclose(self) -> None:
         """Async form of :meth:`close`, for symmetry with other resources."""
-        self.close()
-
-    async def __aenter__(self) -> EventSubscription:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
         self.close()
 
     # -- introspection ---------------------------------------------------------

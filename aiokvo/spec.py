@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
+from aiokvo._resource import AsyncResource
 from aiokvo.config import OffloadConfig
 from aiokvo.errors import ConfigError
 from aiokvo.manager.base import OffloadingManager
@@ -30,7 +30,7 @@ HandlerRoute: TypeAlias = "tuple[type[LoadStoreSpec], type[LoadStoreSpec], Offlo
 """``(src_spec_type, dst_spec_type, handler)``, ready for ``register_handler``."""
 
 
-class OffloadingSpec(ABC):
+class OffloadingSpec(AsyncResource, ABC):
     """Builds (once) and owns the manager and handlers of one offloading setup.
 
     Subclasses are constructed with a validated :class:`OffloadConfig` only,
@@ -59,17 +59,6 @@ class OffloadingSpec(ABC):
     async def aclose(self) -> None:
         """Release whatever the spec built. The base spec owns nothing."""
         return
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config!r})"

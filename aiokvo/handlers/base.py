@@ -15,9 +15,8 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Self
 
+from aiokvo._resource import AsyncResource
 from aiokvo.errors import DuplicateJobError, HandlerClosedError, TransferSpecError
 from aiokvo.handlers.task import DEFAULT_MAX_BUFFERED, FinishedResults, ResultQueue, TransferTask
 from aiokvo.runtime.poller import EventPoller, PollerMode, resolve_poller_mode
@@ -32,7 +31,7 @@ __all__ = [
 ]
 
 
-class OffloadingHandler(FinishedResults, ABC):
+class OffloadingHandler(FinishedResults, AsyncResource, ABC):
     """Moves blocks in one or more directions; see DESIGN.md "Handlers and worker".
 
     Subclasses implement :meth:`transfer_async`, :meth:`wait` and
@@ -69,17 +68,6 @@ class OffloadingHandler(FinishedResults, ABC):
 
         Idempotent; concurrent callers all wait for the same close.
         """
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def _report(self, result: TransferResult) -> None:
         """Publish one finished result to :meth:`get_finished` (or the worker's stream)."""

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import torch
 
+from aiokvo._resource import AsyncResource
 from aiokvo.errors import ConfigError, CudaUnavailableError
 from aiokvo.handlers.base import OffloadingHandler
 from aiokvo.handlers.host import HostOffloadingHandler
@@ -25,7 +25,7 @@ __all__ = ["CpuGpuHandlers", "allocate_cpu_pool", "make_cpu_gpu_handlers"]
 
 
 @dataclass(slots=True)
-class CpuGpuHandlers:
+class CpuGpuHandlers(AsyncResource):
     """A store (``gpu_to_cpu``) and a load (``cpu_to_gpu``) handler sharing one CPU pool.
 
     ``cpu_tensors[i]`` holds the offloaded blocks of canonical tensor ``i``.
@@ -42,17 +42,6 @@ class CpuGpuHandlers:
             await self.gpu_to_cpu.aclose()
         finally:
             await self.cpu_to_gpu.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
 
 def allocate_cpu_pool(

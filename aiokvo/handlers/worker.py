@@ -9,9 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
-from types import TracebackType
-from typing import Self
 
+from aiokvo._resource import AsyncResource
 from aiokvo.errors import (
     DuplicateJobError,
     DuplicateRouteError,
@@ -32,7 +31,7 @@ def _route_name(route: TransferType) -> str:
     return f"{route[0]}->{route[1]}"
 
 
-class OffloadingWorker(FinishedResults):
+class OffloadingWorker(FinishedResults, AsyncResource):
     """Routes transfers to the registered handlers; the same async API as a handler.
 
     Once registered, a handler's results go to the worker's stream (read
@@ -150,13 +149,3 @@ class OffloadingWorker(FinishedResults):
         if errors:
             raise errors[0]
 
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()

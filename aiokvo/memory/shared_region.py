@@ -37,6 +37,7 @@ from typing import Any, Literal, Protocol, Self
 
 import torch
 
+from aiokvo._resource import AsyncResource
 from aiokvo.errors import (
     ConfigError,
     SharedRegionError,
@@ -284,7 +285,7 @@ def _release_file(
             _release_lock(lock_fd)
 
 
-class SharedOffloadRegion:
+class SharedOffloadRegion(AsyncResource):
     """One engine's CPU offload pool, mapped by each of its ranks.
 
     Every rank constructs one with the same ``instance_id`` and layout. The
@@ -670,15 +671,6 @@ class SharedOffloadRegion:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:  # fmt: skip
-        self.close()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:  # fmt: skip
