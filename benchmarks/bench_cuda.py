@@ -39,10 +39,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from aiokvo.handlers.cuda.driver import CudaDriver, RuntimeDriver, load_driver
-from aiokvo.handlers.cuda.events import CudaEvent
-from aiokvo.handlers.cuda.fake import FakeDriver
+from aiokvo.device.driver import CudaDriver, RuntimeDriver, load_driver
+from aiokvo.device.fake import FakeDriver
 from aiokvo.handlers.cuda.handler import CudaOffloadingHandler
+from aiokvo.handlers.cuda.handles import CudaEvent
 from aiokvo.layout import CanonicalKVCacheRef
 from aiokvo.memory.pinned import PinnedHostTensor
 from aiokvo.runtime.poller import EventPoller

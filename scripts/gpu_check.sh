@@ -46,7 +46,7 @@ try:
     print("torch.cuda", torch.version.cuda, "available", torch.cuda.is_available())
 except Exception as exc:
     print("torch.cuda error", exc)
-from aiokvo.handlers.cuda.driver import cuda_device_count
+from aiokvo.device.driver import cuda_device_count
 print("cuda_device_count", cuda_device_count())
 EOF
 } > "$OUT/env.txt" 2>&1

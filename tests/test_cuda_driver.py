@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from cuda.bindings import runtime
 
+from aiokvo.device import driver as driver_module
+from aiokvo.device.driver import CudaDriver, RuntimeDriver, cuda_device_count, load_driver
+from aiokvo.device.fake import FakeDriver
 from aiokvo.errors import CudaError, CudaUnavailableError
-from aiokvo.handlers.cuda import driver as driver_module
-from aiokvo.handlers.cuda.driver import CudaDriver, RuntimeDriver, cuda_device_count, load_driver
-from aiokvo.handlers.cuda.fake import FakeDriver
 from aiokvo.handlers.cuda.handler import CudaOffloadingHandler
 from aiokvo.layout import CanonicalKVCacheRef
 

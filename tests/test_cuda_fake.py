@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 
+from aiokvo.device.fake import FakeDriver
 from aiokvo.errors import ConfigError, CudaError, TransferSpecError
 from aiokvo.handlers.cuda.engines import choose_engine, coalesce
-from aiokvo.handlers.cuda.fake import FakeDriver
 from aiokvo.handlers.cuda.handler import CudaOffloadingHandler
 from aiokvo.handlers.cuda.kernel import COPY_KERNEL_NAME, COPY_KERNEL_SOURCE, get_copy_kernel
 from aiokvo.handlers.cuda.pair import make_cuda_handlers

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from aiokvo.handlers.cuda.driver import RuntimeDriver, load_driver
+from aiokvo.device.driver import RuntimeDriver, load_driver
 from aiokvo.handlers.cuda.handler import CudaOffloadingHandler
 from aiokvo.handlers.cuda.kernel import get_copy_kernel
 from aiokvo.handlers.cuda.pair import make_cuda_handlers

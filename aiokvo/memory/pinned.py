@@ -24,7 +24,7 @@ from aiokvo.errors import ConfigError, CudaError
 if TYPE_CHECKING:
     import torch
 
-    from aiokvo.handlers.cuda.driver import CudaDriver
+    from aiokvo.device.driver import CudaDriver
 
 __all__ = ["DEFAULT_MAX_CHUNK", "HostRegistration", "PinnedHostTensor"]
 
@@ -77,7 +77,7 @@ class HostRegistration:
 
     def _get_driver(self) -> CudaDriver:
         if self._driver is None:
-            from aiokvo.handlers.cuda.driver import load_driver
+            from aiokvo.device.driver import load_driver
 
             self._driver = load_driver()
         return self._driver

@@ -21,8 +21,8 @@ from typing import Literal, TypeAlias
 
 import numpy as np
 
+from aiokvo.device.driver import CudaDriver
 from aiokvo.errors import ConfigError, CudaError
-from aiokvo.handlers.cuda.driver import CudaDriver
 from aiokvo.handlers.cuda.kernel import DESCRIPTOR_WORDS, get_copy_kernel
 from aiokvo.handlers.plan import Int64Array, PointerPlan
 

@@ -22,9 +22,9 @@ import contextlib
 import weakref
 from collections.abc import Callable, Sequence
 
+from aiokvo.device.driver import CudaDriver, RuntimeDriver, load_driver
 from aiokvo.errors import ConfigError, CudaError, TransferSpecError
 from aiokvo.handlers.base import SingleDirectionHandler, Submission
-from aiokvo.handlers.cuda.driver import CudaDriver, RuntimeDriver, load_driver
 from aiokvo.handlers.cuda.engines import (
     DEFAULT_KERNEL_BELOW_BYTES,
     DescriptorBuffer,
@@ -37,7 +37,7 @@ from aiokvo.handlers.cuda.engines import (
     choose_engine,
     coalesce,
 )
-from aiokvo.handlers.cuda.events import CudaEvent, HandlePool, event_pool, stream_pool
+from aiokvo.handlers.cuda.handles import CudaEvent, HandlePool, event_pool, stream_pool
 from aiokvo.handlers.plan import PointerPlan, RowSpace, TensorLike, plan_transfer
 from aiokvo.layout import CanonicalKVCacheRef
 from aiokvo.runtime.poller import PollerMode

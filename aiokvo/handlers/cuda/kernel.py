@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import weakref
 
-from aiokvo.handlers.cuda.driver import CudaDriver
+from aiokvo.device.driver import CudaDriver
 
 __all__ = [
     "COPY_KERNEL_NAME",

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
+from aiokvo.device.driver import CudaDriver, load_driver
 from aiokvo.errors import ConfigError
-from aiokvo.handlers.cuda.driver import CudaDriver, load_driver
 from aiokvo.handlers.cuda.handler import CudaOffloadingHandler
 from aiokvo.handlers.pair import CpuGpuHandlers
 from aiokvo.layout import CanonicalKVCaches

@@ -1,7 +1,7 @@
 """The one module that calls cuda-python.
 
 Everything above it speaks :class:`CudaDriver`, a narrow protocol over
-plain integer handles, so a fake (:mod:`aiokvo.handlers.cuda.fake`) can
+plain integer handles, so a fake (:mod:`aiokvo.device.fake`) can
 stand in for the GPU in CPU tests. Every raw call's status is checked and
 turned into :class:`aiokvo.errors.CudaError` carrying the call, the error's
 name and its number. ``cuda.bindings`` and ``cuda.core`` are imported

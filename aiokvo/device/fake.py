@@ -1,4 +1,4 @@
-"""A stand-in for :class:`~aiokvo.handlers.cuda.driver.RuntimeDriver` on the CPU.
+"""A stand-in for :class:`~aiokvo.device.driver.RuntimeDriver` on the CPU.
 
 Streams are worker threads that run their operations in order, events are
 generation counters, and "device" pointers are host pointers, so copies are

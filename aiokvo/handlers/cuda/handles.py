@@ -12,8 +12,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from aiokvo.device.driver import CudaDriver
 from aiokvo.errors import CudaError
-from aiokvo.handlers.cuda.driver import CudaDriver
 
 __all__ = ["CudaEvent", "HandlePool", "event_pool", "stream_pool"]
 
