@@ -24,7 +24,7 @@ from typing import TypeAlias
 
 from aiokvo._resource import AsyncResource
 from aiokvo.errors import ConfigError, SubscriptionClosed
-from aiokvo.manager.base import EventSink, OverflowPolicy
+from aiokvo.manager.sink import EventSink, OverflowPolicy
 from aiokvo.specs import OffloadingEvent
 
 __all__ = ["EventSubscription", "Lagged", "SubscriptionItem"]

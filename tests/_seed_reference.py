@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from aiokvo.errors import BlockNotReadyError, ConfigError, UnknownKeyError, UnknownPolicyError
 from aiokvo.keys import OffloadKey
-from aiokvo.manager.base import EventSink, OffloadingManager
+from aiokvo.manager.base import OffloadingManager
+from aiokvo.manager.sink import EventSink
 from aiokvo.specs import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput, ReqContext
 
 __all__ = [

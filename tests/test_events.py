@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from aiokvo.errors import ConfigError, SubscriptionClosed
 from aiokvo.events import EventSubscription, Lagged, SubscriptionItem
 from aiokvo.keys import OffloadKey, make_offload_key
-from aiokvo.manager.base import EventSink, OffloadingManager
+from aiokvo.manager.base import OffloadingManager
+from aiokvo.manager.sink import EventSink
 from aiokvo.specs import (
     CPULoadStoreSpec,
     LoadStoreSpec,

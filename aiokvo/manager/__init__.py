@@ -1,6 +1,6 @@
 """The pure core: offloading managers and their cache policies (no asyncio, no CUDA)."""
 
-from aiokvo.manager.base import EventSink, OffloadingManager, OverflowPolicy
+from aiokvo.manager.base import OffloadingManager
 from aiokvo.manager.cpu import CPUOffloadingManager
 from aiokvo.manager.policies import (
     ARCCachePolicy,
@@ -10,6 +10,7 @@ from aiokvo.manager.policies import (
     resolve_policy,
 )
 from aiokvo.manager.reuse import FilterReusedOffloadingManager
+from aiokvo.manager.sink import EventSink, OverflowPolicy
 
 __all__ = [
     "ARCCachePolicy",

@@ -15,60 +15,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from aiokvo.keys import OffloadKey
+from aiokvo.manager.sink import EventSink, OverflowPolicy
 from aiokvo.specs import LoadStoreSpec, OffloadingEvent, PrepareStoreOutput, ReqContext
 
 if TYPE_CHECKING:
     from aiokvo.events import EventSubscription
 
-__all__ = ["EventSink", "OffloadingManager", "OverflowPolicy"]
-
-OverflowPolicy = Literal["drop_oldest", "drop_newest"]
-
-
-class EventSink:
-    """Fan-out point for events; the only event plumbing a manager owns.
-
-    Kept free of asyncio so the core stays importable and testable without
-    a loop: subscriptions register themselves here and receive ``push``.
-    """
-
-    __slots__ = ("_recorded", "_subscribers")
-
-    def __init__(self, record: bool) -> None:
-        self._recorded: list[OffloadingEvent] | None = [] if record else None
-        self._subscribers: list[EventSubscription] = []
-
-    @property
-    def active(self) -> bool:
-        """True when anybody would see an event (cheap hot-path guard)."""
-        return self._recorded is not None or bool(self._subscribers)
-
-    def publish(self, event: OffloadingEvent) -> None:
-        if self._recorded is not None:
-            self._recorded.append(event)
-        for subscriber in self._subscribers:
-            subscriber.push(event)
-
-    def take(self) -> list[OffloadingEvent]:
-        if not self._recorded:
-            return []
-        events, self._recorded = self._recorded, []
-        return events
-
-    def attach(self, subscription: EventSubscription) -> None:
-        self._subscribers.append(subscription)
-
-    def detach(self, subscription: EventSubscription) -> None:
-        if subscription in self._subscribers:
-            self._subscribers.remove(subscription)
-
-    def close_all(self) -> None:
-        for subscription in list(self._subscribers):
-            subscription.close()
-        self._subscribers.clear()
+__all__ = ["OffloadingManager"]
 
 
 class OffloadingManager(ABC):

@@ -24,9 +24,10 @@ import numpy as np
 
 from aiokvo.errors import BlockNotReadyError, ConfigError, UnknownKeyError
 from aiokvo.keys import OffloadKey
-from aiokvo.manager.base import EventSink, OffloadingManager
+from aiokvo.manager.base import OffloadingManager
 from aiokvo.manager.policies.base import WRITING, BlockStatus, CachePolicy
 from aiokvo.manager.policies.registry import resolve_policy
+from aiokvo.manager.sink import EventSink
 from aiokvo.specs import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput, ReqContext
 
 __all__ = ["CPUOffloadingManager"]

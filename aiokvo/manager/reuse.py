@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from aiokvo.errors import ConfigError
 from aiokvo.keys import OffloadKey
-from aiokvo.manager.base import OffloadingManager, OverflowPolicy
+from aiokvo.manager.base import OffloadingManager
+from aiokvo.manager.sink import OverflowPolicy
 from aiokvo.specs import LoadStoreSpec, OffloadingEvent, PrepareStoreOutput, ReqContext
 
 if TYPE_CHECKING:
