@@ -66,8 +66,8 @@ _EXPORTS: dict[str, str] = {
     "PinnedHostTensor": "aiokvo.memory.pinned",
     # wiring
     "OffloadConfig": "aiokvo.config",
-    "OffloadingSpec": "aiokvo.spec",
-    "CPUOffloadingSpec": "aiokvo.spec",
+    "OffloadingSpec": "aiokvo.offloading_spec",
+    "CPUOffloadingSpec": "aiokvo.offloading_spec",
     "OffloadingSpecFactory": "aiokvo.factory",
 }
 
@@ -122,13 +122,13 @@ if TYPE_CHECKING:
     from aiokvo.memory.pinned import HostRegistration as HostRegistration
     from aiokvo.memory.pinned import PinnedHostTensor as PinnedHostTensor
     from aiokvo.memory.shared_region import SharedOffloadRegion as SharedOffloadRegion
+    from aiokvo.offloading_spec import CPUOffloadingSpec as CPUOffloadingSpec
+    from aiokvo.offloading_spec import OffloadingSpec as OffloadingSpec
     from aiokvo.runtime.poller import EventPoller as EventPoller
     from aiokvo.runtime.poller import PollerMode as PollerMode
     from aiokvo.runtime.run import run as run
     from aiokvo.runtime.sources import CompletionSource as CompletionSource
     from aiokvo.runtime.sources import HostEvent as HostEvent
-    from aiokvo.spec import CPUOffloadingSpec as CPUOffloadingSpec
-    from aiokvo.spec import OffloadingSpec as OffloadingSpec
     from aiokvo.specs import BlockIDsLoadStoreSpec as BlockIDsLoadStoreSpec
     from aiokvo.specs import CPULoadStoreSpec as CPULoadStoreSpec
     from aiokvo.specs import GPULoadStoreSpec as GPULoadStoreSpec

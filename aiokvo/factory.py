@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from aiokvo.config import OffloadConfig
 from aiokvo.errors import SpecLoadError
-from aiokvo.spec import OffloadingSpec
+from aiokvo.offloading_spec import OffloadingSpec
 
 __all__ = ["OffloadingSpecFactory"]
 
@@ -112,4 +112,4 @@ def _load_spec_class(name: str, module_path: str, class_name: str) -> type[Offlo
     return candidate
 
 
-OffloadingSpecFactory.register_spec("CPUOffloadingSpec", "aiokvo.spec", "CPUOffloadingSpec")
+OffloadingSpecFactory.register_spec("CPUOffloadingSpec", "aiokvo.offloading_spec", "CPUOffloadingSpec")

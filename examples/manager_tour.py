@@ -23,8 +23,8 @@ from aiokvo.config import OffloadConfig
 from aiokvo.events import EventSubscription, Lagged
 from aiokvo.keys import OffloadKey, make_offload_key
 from aiokvo.manager.base import OffloadingManager
+from aiokvo.offloading_spec import CPUOffloadingSpec
 from aiokvo.runtime.run import run
-from aiokvo.spec import CPUOffloadingSpec
 from aiokvo.specs import CPULoadStoreSpec, LoadStoreSpec, ReqContext
 
 BLOCK_BYTES = 2 << 20  # KV bytes of one 16-token block, e.g. a small model on one GPU

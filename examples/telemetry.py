@@ -32,8 +32,8 @@ from aiokvo.handlers.worker import OffloadingWorker
 from aiokvo.keys import make_offload_key
 from aiokvo.layout import CanonicalKVCaches
 from aiokvo.manager.base import OffloadingManager
+from aiokvo.offloading_spec import CPUOffloadingSpec
 from aiokvo.runtime.run import run
-from aiokvo.spec import CPUOffloadingSpec
 from aiokvo.specs import GPULoadStoreSpec, ReqContext, TransferResult
 
 STORE = ("GPU", "CPU")

@@ -16,7 +16,7 @@ import pytest
 from aiokvo.config import OffloadConfig
 from aiokvo.errors import ConfigError, SpecLoadError
 from aiokvo.factory import OffloadingSpecFactory
-from aiokvo.spec import CPUOffloadingSpec, OffloadingSpec
+from aiokvo.offloading_spec import CPUOffloadingSpec, OffloadingSpec
 from aiokvo.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 MIB = 1 << 20
@@ -209,7 +209,7 @@ def spec_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str
     (tmp_path / f"{name}.py").write_text(
         textwrap.dedent(
             """
-            from aiokvo.spec import OffloadingSpec
+            from aiokvo.offloading_spec import OffloadingSpec
 
             class LazySpec(OffloadingSpec):
                 def get_manager(self):
@@ -237,7 +237,7 @@ def spec_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str
 
 def test_cpu_spec_is_preregistered() -> None:
     assert OffloadingSpecFactory.registered_specs()["CPUOffloadingSpec"] == (
-        "aiokvo.spec",
+        "aiokvo.offloading_spec",
         "CPUOffloadingSpec",
     )
     spec = OffloadingSpecFactory.create_spec(make_config())
@@ -277,7 +277,7 @@ def test_register_and_unregister_on_the_base_class(spec_module: str) -> None:
 def test_registering_a_name_twice_fails(factory: type[OffloadingSpecFactory]) -> None:
     with pytest.raises(SpecLoadError, match=r"'CPUOffloadingSpec' is already registered"):
         factory.register_spec("CPUOffloadingSpec", "elsewhere", "Other")
-    assert factory.registered_specs()["CPUOffloadingSpec"] == ("aiokvo.spec", "CPUOffloadingSpec")
+    assert factory.registered_specs()["CPUOffloadingSpec"] == ("aiokvo.offloading_spec", "CPUOffloadingSpec")
 
 
 @pytest.mark.parametrize(
