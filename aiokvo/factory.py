@@ -112,4 +112,6 @@ def _load_spec_class(name: str, module_path: str, class_name: str) -> type[Offlo
     return candidate
 
 
-OffloadingSpecFactory.register_spec("CPUOffloadingSpec", "aiokvo.offloading_spec", "CPUOffloadingSpec")
+OffloadingSpecFactory.register_spec(
+    "CPUOffloadingSpec", "aiokvo.offloading_spec", "CPUOffloadingSpec"
+)

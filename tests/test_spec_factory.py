@@ -277,7 +277,8 @@ def test_register_and_unregister_on_the_base_class(spec_module: str) -> None:
 def test_registering_a_name_twice_fails(factory: type[OffloadingSpecFactory]) -> None:
     with pytest.raises(SpecLoadError, match=r"'CPUOffloadingSpec' is already registered"):
         factory.register_spec("CPUOffloadingSpec", "elsewhere", "Other")
-    assert factory.registered_specs()["CPUOffloadingSpec"] == ("aiokvo.offloading_spec", "CPUOffloadingSpec")
+    registered = factory.registered_specs()["CPUOffloadingSpec"]
+    assert registered == ("aiokvo.offloading_spec", "CPUOffloadingSpec")
 
 
 @pytest.mark.parametrize(
