@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from aiokvo._util import check_int
 from aiokvo.errors import ConfigError
 
 __all__ = ["EXTRA_CONFIG_KEYS", "OffloadConfig", "UnknownConfigKeyWarning"]
@@ -68,33 +69,39 @@ class OffloadConfig:
             raise ConfigError(
                 f"gpu_block_sizes must be a non-empty sequence of ints, got {sizes!r}"
             )
-        for size in sizes:
-            _check_int("gpu_block_sizes", size, minimum=1, shown=sizes)
-        object.__setattr__(self, "gpu_block_sizes", tuple(sizes))
+        try:
+            checked = tuple(check_int("gpu_block_sizes", size, minimum=1) for size in sizes)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} in {sizes!r}") from None
+        object.__setattr__(self, "gpu_block_sizes", checked)
 
-        _check_int("hash_block_size", self.hash_block_size, minimum=1)
+        self._int_field("hash_block_size", minimum=1)
         for size in self.gpu_block_sizes:
             if size % self.hash_block_size:
                 raise ConfigError(
                     f"gpu_block_sizes entry {size} is not divisible by "
                     f"hash_block_size={self.hash_block_size}"
                 )
-        _check_int("cpu_bytes_to_use", self.cpu_bytes_to_use, minimum=1)
-        _check_int("kv_bytes_per_block", self.kv_bytes_per_block, minimum=0)
+        self._int_field("cpu_bytes_to_use", minimum=1)
+        self._int_field("kv_bytes_per_block", minimum=0)
         if self.offloaded_block_size is not None:
             self._check_offloaded_block_size(self.offloaded_block_size)
         _check_str("eviction_policy", self.eviction_policy)
-        _check_int("store_threshold", self.store_threshold, minimum=0)
-        _check_int("max_tracker_size", self.max_tracker_size, minimum=1)
+        self._int_field("store_threshold", minimum=0)
+        self._int_field("max_tracker_size", minimum=1)
         if not isinstance(self.enable_events, bool):
             raise ConfigError(f"enable_events must be a bool, got {self.enable_events!r}")
-        _check_int("world_size", self.world_size, minimum=1)
+        self._int_field("world_size", minimum=1)
         _check_str("spec_name", self.spec_name)
         if self.spec_module_path is not None:
             _check_str("spec_module_path", self.spec_module_path)
 
+    def _int_field(self, name: str, *, minimum: int) -> None:
+        """Check an int field and store it as a plain int (a numpy int becomes one)."""
+        object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=minimum))
+
     def _check_offloaded_block_size(self, value: int) -> None:
-        _check_int("offloaded_block_size", value, minimum=1)
+        self._int_field("offloaded_block_size", minimum=1)
         distinct = sorted(set(self.gpu_block_sizes))
         if len(distinct) != 1:
             raise ConfigError(
@@ -178,13 +185,6 @@ class OffloadConfig:
                 else _parse_str("spec_module_path", spec_module_path)
             ),
         )
-
-
-def _check_int(name: str, value: object, *, minimum: int, shown: object = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        what = f"an int >= {minimum}"
-        got = f"{value!r}" if shown is None else f"{value!r} in {shown!r}"
-        raise ConfigError(f"{name} must be {what}, got {got}")
 
 
 def _check_str(name: str, value: object) -> None:

@@ -22,8 +22,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from aiokvo._resource import AsyncResource
-from aiokvo.errors import ConfigError, SubscriptionClosed
+from aiokvo._util import AsyncResource, check_choice, check_int
+from aiokvo.errors import SubscriptionClosed
 from aiokvo.manager.sink import EventSink, OverflowPolicy
 from aiokvo.specs import OffloadingEvent
 
@@ -93,10 +93,8 @@ class EventSubscription(AsyncResource):
         maxsize: int = 1024,
         overflow: OverflowPolicy = "drop_oldest",
     ) -> None:
-        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
-            raise ConfigError(f"maxsize must be an int >= 1, got {maxsize!r}")
-        if overflow not in _OVERFLOW_POLICIES:
-            raise ConfigError(f"overflow must be 'drop_oldest' or 'drop_newest', got {overflow!r}")
+        maxsize = check_int("maxsize", maxsize, minimum=1)
+        overflow = check_choice("overflow", overflow, _OVERFLOW_POLICIES)
         self._sink = sink
         self._maxsize = maxsize
         self._overflow: OverflowPolicy = overflow

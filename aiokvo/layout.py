@@ -20,6 +20,7 @@ from typing import Literal, TypeAlias
 
 import torch
 
+from aiokvo._util import check_int
 from aiokvo.errors import LayoutError
 
 __all__ = [
@@ -70,11 +71,10 @@ class CanonicalKVCacheTensor:
             raise LayoutError(
                 f"row stride {t.stride(0)} is smaller than the row width {row_bytes}: rows overlap"
             )
-        page = self.page_size_bytes
-        if isinstance(page, bool) or not isinstance(page, int):
-            raise LayoutError(f"page_size_bytes must be an int, got {page!r}")
-        if not 0 < page <= row_bytes:
-            raise LayoutError(f"page_size_bytes must be in 1..{row_bytes} (row width), got {page}")
+        page = check_int(
+            "page_size_bytes", self.page_size_bytes, minimum=1, maximum=row_bytes, error=LayoutError
+        )
+        object.__setattr__(self, "page_size_bytes", page)
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> CanonicalKVCacheTensor:
@@ -108,14 +108,9 @@ class CanonicalKVCacheRef:
     page_size_bytes: int
 
     def __post_init__(self) -> None:
-        for name in ("tensor_idx", "page_size_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise LayoutError(f"{name} must be an int, got {value!r}")
-        if self.tensor_idx < 0:
-            raise LayoutError(f"tensor_idx must be >= 0, got {self.tensor_idx}")
-        if self.page_size_bytes <= 0:
-            raise LayoutError(f"page_size_bytes must be > 0, got {self.page_size_bytes}")
+        for name, minimum in (("tensor_idx", 0), ("page_size_bytes", 1)):
+            value = check_int(name, getattr(self, name), minimum=minimum, error=LayoutError)
+            object.__setattr__(self, name, value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from aiokvo._resource import AsyncResource
+from aiokvo._util import AsyncResource
 from aiokvo.config import OffloadConfig
 from aiokvo.errors import ConfigError
 from aiokvo.manager.base import OffloadingManager

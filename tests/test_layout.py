@@ -107,7 +107,7 @@ def test_canonical_tensor_validation_names_the_bad_value() -> None:
         CanonicalKVCacheTensor(ok.view(-1), 16)
     with pytest.raises(LayoutError, match=r"torch\.int8, got torch\.float32"):
         CanonicalKVCacheTensor(torch.zeros(4, 16), 16)
-    with pytest.raises(LayoutError, match=r"1\.\.16 \(row width\), got 17"):
+    with pytest.raises(LayoutError, match=r"page_size_bytes must be an int in 1\.\.16, got 17"):
         CanonicalKVCacheTensor(ok, 17)
     with pytest.raises(LayoutError, match="byte-contiguous"):
         CanonicalKVCacheTensor(ok.t(), 4)
@@ -126,9 +126,9 @@ def test_caches_validate_refs_and_devices() -> None:
     meta = CanonicalKVCacheTensor(torch.empty(4, 16, dtype=torch.int8, device="meta"), 16)
     with pytest.raises(LayoutError, match="share one device"):
         CanonicalKVCaches([t, meta], [[]])
-    with pytest.raises(LayoutError, match="tensor_idx must be >= 0, got -1"):
+    with pytest.raises(LayoutError, match="tensor_idx must be an int >= 0, got -1"):
         CanonicalKVCacheRef(-1, 16)
-    with pytest.raises(LayoutError, match="page_size_bytes must be > 0, got 0"):
+    with pytest.raises(LayoutError, match="page_size_bytes must be an int >= 1, got 0"):
         CanonicalKVCacheRef(0, 0)
     caches = CanonicalKVCaches([t], [[CanonicalKVCacheRef(0, 8)], []])
     assert caches.num_groups == 2 and caches.copied_bytes_per_block(0) == 8

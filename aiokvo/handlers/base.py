@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
-from aiokvo._resource import AsyncResource
+from aiokvo._util import AsyncResource, check_int
 from aiokvo.errors import DuplicateJobError, HandlerClosedError, TransferSpecError
 from aiokvo.handlers.task import DEFAULT_MAX_BUFFERED, FinishedResults, ResultQueue, TransferTask
 from aiokvo.runtime.poller import EventPoller, PollerMode, resolve_poller_mode
@@ -178,8 +178,7 @@ class SingleDirectionHandler(OffloadingHandler):
         return self._closing
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> TransferTask:
-        if isinstance(job_id, bool) or not isinstance(job_id, int):
-            raise TransferSpecError(f"job_id must be an int, got {job_id!r}")
+        job_id = check_int("job_id", job_id, error=TransferSpecError)
         if self._closing:
             raise HandlerClosedError(
                 f"{type(self).__name__} {self.transfer_type} is closed; "

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from aiokvo._resource import AsyncResource
+from aiokvo._util import AsyncResource
 from aiokvo.errors import ConfigError, CudaUnavailableError
 from aiokvo.handlers.base import OffloadingHandler
 from aiokvo.handlers.host import HostOffloadingHandler

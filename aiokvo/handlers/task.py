@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Generator
 from typing import Any
 
-from aiokvo.errors import ConfigError
+from aiokvo._util import check_int
 from aiokvo.specs import TransferResult
 
 __all__ = ["DEFAULT_MAX_BUFFERED", "FinishedResults", "ResultQueue", "TransferTask"]
@@ -79,11 +79,7 @@ class ResultQueue:
     """
 
     def __init__(self, max_buffered: int = DEFAULT_MAX_BUFFERED) -> None:
-        if isinstance(max_buffered, bool) or not isinstance(max_buffered, int):
-            raise ConfigError(f"max_buffered must be an int, got {max_buffered!r}")
-        if max_buffered < 0:
-            raise ConfigError(f"max_buffered must be >= 0, got {max_buffered}")
-        self.max_buffered = max_buffered
+        self.max_buffered = check_int("max_buffered", max_buffered, minimum=0)
         self.dropped = 0
         self._items: deque[TransferResult] = deque()
         self._readers: deque[asyncio.Future[TransferResult | None]] = deque()

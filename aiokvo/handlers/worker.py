@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections.abc import Iterable
 
-from aiokvo._resource import AsyncResource
+from aiokvo._util import AsyncResource
 from aiokvo.errors import (
     DuplicateJobError,
     DuplicateRouteError,

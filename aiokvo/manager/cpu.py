@@ -16,13 +16,13 @@ Decisions are exactly the seed's; see docs/manager.md.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Collection, Container, Iterable, Sequence
 from itertools import islice
 
 import numpy as np
 
-from aiokvo.errors import BlockNotReadyError, ConfigError, UnknownKeyError
+from aiokvo._util import check_int
+from aiokvo.errors import BlockNotReadyError, UnknownKeyError
 from aiokvo.keys import OffloadKey
 from aiokvo.manager.base import OffloadingManager
 from aiokvo.manager.policies.base import WRITING, BlockStatus, CachePolicy
@@ -68,14 +68,7 @@ class CPUOffloadingManager(OffloadingManager):
         cache_policy: str | type[CachePolicy] = "lru",
         enable_events: bool = False,
     ) -> None:
-        try:
-            if isinstance(num_blocks, bool):
-                raise TypeError
-            num_blocks = operator.index(num_blocks)  # ints, numpy ints; not floats
-        except TypeError:
-            raise ConfigError(f"num_blocks must be an int, got {num_blocks!r}") from None
-        if num_blocks < 0:
-            raise ConfigError(f"num_blocks must be >= 0, got {num_blocks!r}")
+        num_blocks = check_int("num_blocks", num_blocks, minimum=0)
         self._num_blocks = num_blocks
         self._num_allocated = 0
         self._free_ids: list[int] = []

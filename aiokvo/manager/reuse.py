@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
+from aiokvo._util import check_int
 from aiokvo.errors import ConfigError
 from aiokvo.keys import OffloadKey
 from aiokvo.manager.base import OffloadingManager
@@ -36,16 +37,8 @@ class FilterReusedOffloadingManager(OffloadingManager):
     ) -> None:
         if not isinstance(backing, OffloadingManager):
             raise ConfigError(f"backing must be an OffloadingManager, got {backing!r}")
-        if isinstance(store_threshold, bool) or not isinstance(store_threshold, int):
-            raise ConfigError(f"store_threshold must be an int, got {store_threshold!r}")
-        if store_threshold < 2:
-            raise ConfigError(
-                f"store_threshold must be >= 2 (1 would filter nothing), got {store_threshold!r}"
-            )
-        if isinstance(max_tracker_size, bool) or not isinstance(max_tracker_size, int):
-            raise ConfigError(f"max_tracker_size must be an int, got {max_tracker_size!r}")
-        if max_tracker_size < 1:
-            raise ConfigError(f"max_tracker_size must be >= 1, got {max_tracker_size!r}")
+        store_threshold = check_int("store_threshold", store_threshold, minimum=2)
+        max_tracker_size = check_int("max_tracker_size", max_tracker_size, minimum=1)
         self.backing = backing
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size

@@ -19,6 +19,7 @@ import warnings
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
 
+from aiokvo._util import check_int
 from aiokvo.errors import ConfigError, CudaError
 
 if TYPE_CHECKING:
@@ -47,15 +48,9 @@ class HostRegistration:
         driver: CudaDriver | None = None,
         max_chunk: int = DEFAULT_MAX_CHUNK,
     ) -> None:
-        for name, value in (("ptr", ptr), ("nbytes", nbytes), ("max_chunk", max_chunk)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"{name} must be an int, got {value!r}")
-        if ptr <= 0:
-            raise ConfigError(f"ptr must be a positive address, got {ptr:#x}")
-        if nbytes <= 0:
-            raise ConfigError(f"nbytes must be > 0, got {nbytes}")
-        if max_chunk <= 0:
-            raise ConfigError(f"max_chunk must be > 0, got {max_chunk}")
+        ptr = check_int("ptr", ptr, minimum=1)
+        nbytes = check_int("nbytes", nbytes, minimum=1)
+        max_chunk = check_int("max_chunk", max_chunk, minimum=1)
         self.ptr = ptr
         self.nbytes = nbytes
         self.max_chunk = max_chunk

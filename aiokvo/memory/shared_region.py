@@ -37,7 +37,7 @@ from typing import Any, Literal, Protocol, Self
 
 import torch
 
-from aiokvo._resource import AsyncResource
+from aiokvo._util import AsyncResource, check_int
 from aiokvo.errors import (
     ConfigError,
     SharedRegionError,
@@ -310,11 +310,11 @@ class SharedOffloadRegion(AsyncResource):
         timeout: float = 30.0,
         prefault: bool = True,
     ) -> None:
-        _check_positive("num_blocks", num_blocks)
-        _check_positive("num_workers", num_workers)
-        _check_positive("page_bytes_per_rank", page_bytes_per_rank)
-        if rank is not None and (isinstance(rank, bool) or not 0 <= rank < num_workers):
-            raise ConfigError(f"rank must be in 0..{num_workers - 1} or None, got {rank!r}")
+        num_blocks = check_int("num_blocks", num_blocks, minimum=1)
+        num_workers = check_int("num_workers", num_workers, minimum=1)
+        page_bytes_per_rank = check_int("page_bytes_per_rank", page_bytes_per_rank, minimum=1)
+        if rank is not None:
+            rank = check_int("rank", rank, minimum=0, maximum=num_workers - 1)
         if not isinstance(instance_id, str) or not _INSTANCE_ID.fullmatch(instance_id):
             raise ConfigError(
                 "instance_id must be 1-200 characters from [A-Za-z0-9._-] not starting "
@@ -326,7 +326,7 @@ class SharedOffloadRegion(AsyncResource):
         needed = num_blocks * row_stride
         if total_size_bytes is None:
             total_size_bytes = needed
-        _check_positive("total_size_bytes", total_size_bytes)
+        total_size_bytes = check_int("total_size_bytes", total_size_bytes, minimum=1)
         if total_size_bytes < needed:
             raise ConfigError(
                 f"total_size_bytes={total_size_bytes} is too small for {num_blocks} blocks of "
@@ -572,7 +572,7 @@ class SharedOffloadRegion(AsyncResource):
         self._check_open()
         if self._rank is None:
             raise SharedRegionError(f"{self._path} was opened without a rank; use rows()")
-        _check_positive("tensor_page_size", tensor_page_size)
+        tensor_page_size = check_int("tensor_page_size", tensor_page_size, minimum=1)
         lay = self._layout
         slice_end = (self._rank + 1) * lay.page_bytes_per_rank
         if self._next_offset + tensor_page_size > slice_end:
@@ -738,11 +738,6 @@ class SharedOffloadRegion(AsyncResource):
             f"<SharedOffloadRegion {self._path} rank={self._rank} {state} "
             f"generation={self._generation} {_describe(self._layout)}>"
         )
-
-
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name} must be a positive int, got {value!r}")
 
 
 def _describe(layout: _Layout) -> str:

@@ -44,8 +44,9 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable
-from typing import ClassVar, Literal, Protocol, TypeAlias, cast, get_args, runtime_checkable
+from typing import ClassVar, Literal, Protocol, TypeAlias, get_args, runtime_checkable
 
+from aiokvo._util import check_choice
 from aiokvo.errors import ConfigError, PollerClosedError
 from aiokvo.runtime.sources import CompletionSource
 
@@ -88,7 +89,7 @@ class NotifyingSource(CompletionSource, Protocol):
     def notify_when_done(self, wake: Callable[[], None]) -> None: ...
 
 
-_MODES: tuple[str, ...] = get_args(PollerMode)
+_MODES: tuple[PollerMode, ...] = get_args(PollerMode)
 _BACKOFF_STEP = 0.001  # asyncio cannot sleep for less than about a millisecond
 
 _Entry: TypeAlias = tuple[CompletionSource, CompletionCallback]
@@ -102,9 +103,7 @@ def resolve_poller_mode(mode: str | None = None) -> PollerMode:
         origin = POLLER_MODE_ENV
     if mode is None:
         return DEFAULT_POLLER_MODE
-    if mode not in _MODES:
-        raise ConfigError(f"{origin} must be one of {', '.join(_MODES)}; got {mode!r}")
-    return cast(PollerMode, mode)
+    return check_choice(origin, mode, _MODES)
 
 
 def _assist(source: CompletionSource) -> bool:
@@ -426,8 +425,7 @@ class EventPoller:
             if self._fallback_handle is None:
                 self._fallback_handle = loop.call_later(_FALLBACK_POLL, self._fallback_poll)
             return
-        if lane_mode not in _MODES:
-            raise ConfigError(f"mode must be one of {', '.join(_MODES)}; got {lane_mode!r}")
+        lane_mode = check_choice("mode", lane_mode, _MODES)
         key = (lane_mode, lane)
         queue = self._lanes.get(key)
         if queue is None:

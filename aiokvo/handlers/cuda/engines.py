@@ -21,8 +21,9 @@ from typing import Literal, TypeAlias
 
 import numpy as np
 
+from aiokvo._util import check_choice
 from aiokvo.device.driver import CudaDriver
-from aiokvo.errors import ConfigError, CudaError
+from aiokvo.errors import CudaError
 from aiokvo.handlers.cuda.kernel import DESCRIPTOR_WORDS, get_copy_kernel
 from aiokvo.handlers.plan import Int64Array, PointerPlan
 
@@ -49,18 +50,12 @@ pages, ~50 GB/s at 64 KiB). ``benchmarks/bench_cuda.py`` measures both
 engines per page size; set it from that run (see ``docs/cuda.md``).
 """
 
-_ENGINE_MODES = ("auto", "dma", "kernel")
+_ENGINE_MODES: tuple[EngineMode, ...] = ("auto", "dma", "kernel")
 
 
 def check_engine_mode(mode: str) -> EngineMode:
     """Validate a user-supplied engine mode."""
-    if mode == "auto":
-        return "auto"
-    if mode == "dma":
-        return "dma"
-    if mode == "kernel":
-        return "kernel"
-    raise ConfigError(f"engine must be one of {', '.join(_ENGINE_MODES)}; got {mode!r}")
+    return check_choice("engine", mode, _ENGINE_MODES)
 
 
 def choose_engine(

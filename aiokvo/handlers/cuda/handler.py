@@ -22,6 +22,7 @@ import contextlib
 import weakref
 from collections.abc import Callable, Sequence
 
+from aiokvo._util import check_int
 from aiokvo.device.driver import CudaDriver, RuntimeDriver, load_driver
 from aiokvo.errors import ConfigError, CudaError, TransferSpecError
 from aiokvo.handlers.base import SingleDirectionHandler, Submission
@@ -112,16 +113,8 @@ class CudaOffloadingHandler(SingleDirectionHandler):
         else:
             super().__init__(transfer_type, poller_mode=poller_mode, max_buffered=max_buffered)
         self._engine_mode = check_engine_mode(engine)
-        if isinstance(kernel_below_bytes, bool) or not isinstance(kernel_below_bytes, int):
-            raise ConfigError(f"kernel_below_bytes must be an int, got {kernel_below_bytes!r}")
-        if kernel_below_bytes < 0:
-            raise ConfigError(f"kernel_below_bytes must be >= 0, got {kernel_below_bytes}")
-        if (
-            isinstance(block_size_factor, bool)
-            or not isinstance(block_size_factor, int)
-            or block_size_factor < 1
-        ):
-            raise ConfigError(f"block_size_factor must be an int >= 1, got {block_size_factor!r}")
+        kernel_below_bytes = check_int("kernel_below_bytes", kernel_below_bytes, minimum=0)
+        block_size_factor = check_int("block_size_factor", block_size_factor, minimum=1)
         if len(gpu_tensors) != len(cpu_tensors):
             raise ConfigError(
                 f"{len(gpu_tensors)} GPU tensors but {len(cpu_tensors)} CPU tensors"

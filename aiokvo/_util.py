@@ -1,0 +1,90 @@
+"""Small helpers every layer shares: ``async with`` for resources, and argument checks.
+
+The checks exist so that every public entry point rejects bad input the
+same way: with a typed :mod:`aiokvo.errors` exception that names the
+argument and shows the value, before any state changes.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Collection
+from types import TracebackType
+from typing import Self, TypeVar
+
+from aiokvo.errors import AiokvoError, ConfigError
+
+__all__ = ["AsyncResource", "check_choice", "check_int"]
+
+_T = TypeVar("_T")
+
+
+class AsyncResource:
+    """``async with x:`` returns ``x`` and awaits ``x.aclose()`` on the way out.
+
+    One mixin instead of the same two methods in every resource class; it
+    has no state (empty ``__slots__``), so slotted classes stay slotted.
+    """
+
+    __slots__ = ()
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+def check_int(
+    name: str,
+    value: object,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    error: type[AiokvoError] = ConfigError,
+) -> int:
+    """``value`` as a plain int, or ``error`` naming ``name`` and showing the value.
+
+    Accepts ints and integer-like objects (numpy integers); refuses ``bool``,
+    floats and strings, which ``int()`` would quietly convert.
+    """
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise error(f"{name} must be an int{_bounds(minimum, maximum)}, got {value!r}") from None
+    if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
+        raise error(f"{name} must be an int{_bounds(minimum, maximum)}, got {value!r}")
+    return number
+
+
+def check_choice(
+    name: str, value: object, choices: Collection[_T], *, error: type[AiokvoError] = ConfigError
+) -> _T:
+    """``value`` if it is one of ``choices``, else ``error`` listing them."""
+    try:
+        if value in choices:
+            return value  # type: ignore[return-value]
+    except TypeError:  # unhashable, for a set of choices
+        pass
+    listed = ", ".join(repr(c) for c in choices)
+    raise error(f"{name} must be one of {listed}, got {value!r}")
+
+
+def _bounds(minimum: int | None, maximum: int | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f" in {minimum}..{maximum}"
+    if minimum is not None:
+        return f" >= {minimum}"
+    if maximum is not None:
+        return f" <= {maximum}"
+    return ""
