@@ -11,23 +11,20 @@ Because it owns them, it also closes them: ``async with spec:`` or
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, TypeAlias
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from aiokvo._util import AsyncResource
 from aiokvo.config import OffloadConfig
 from aiokvo.errors import ConfigError
 from aiokvo.manager.base import OffloadingManager
-from aiokvo.specs import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
+from aiokvo.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 if TYPE_CHECKING:
-    from aiokvo.handlers.base import OffloadingHandler
-    from aiokvo.handlers.pair import CpuGpuHandlers
+    from aiokvo.handlers.base import CpuGpuHandlers
+    from aiokvo.handlers.routes import HandlerRoute
 
-__all__ = ["CPUOffloadingSpec", "HandlerRoute", "OffloadingSpec"]
-
-HandlerRoute: TypeAlias = "tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]"
-"""``(src_spec_type, dst_spec_type, handler)``, ready for ``register_handler``."""
+__all__ = ["CPUOffloadingSpec", "OffloadingSpec"]
 
 
 class OffloadingSpec(AsyncResource, ABC):
@@ -70,11 +67,17 @@ class CPUOffloadingSpec(OffloadingSpec):
     The pool holds ``config.num_cpu_blocks`` offloaded blocks. With
     ``store_threshold >= 2`` the manager is wrapped in a
     ``FilterReusedOffloadingManager`` so only blocks looked up that often are
-    stored.
+    stored. ``handler_options`` go to the backend's handlers (for the host
+    backend ``copy_threads``, ``poller_mode``, ``copy_fn``, ...; for CUDA
+    ``engine``, ``kernel_below_bytes``, ...); vLLM's factory constructs specs
+    from the config alone, so they are optional.
     """
 
-    def __init__(self, config: OffloadConfig) -> None:
+    def __init__(
+        self, config: OffloadConfig, *, handler_options: Mapping[str, Any] | None = None
+    ) -> None:
         super().__init__(config)
+        self.handler_options: dict[str, Any] = dict(handler_options or {})
         self._manager: OffloadingManager | None = None
         self._handlers: CpuGpuHandlers | None = None
 
@@ -117,12 +120,13 @@ class CPUOffloadingSpec(OffloadingSpec):
         """
         if self._handlers is None:
             # Lazy: importing the data plane pulls in torch and, maybe, CUDA.
-            from aiokvo.handlers.pair import make_cpu_gpu_handlers
+            from aiokvo.handlers.routes import make_cpu_gpu_handlers
 
             self._handlers = make_cpu_gpu_handlers(
                 kv_caches,
                 block_size_factor=self.config.block_size_factor,
                 num_cpu_blocks=self.config.num_cpu_blocks,
+                **self.handler_options,
             )
         handlers = self._handlers
         routes: list[HandlerRoute] = [

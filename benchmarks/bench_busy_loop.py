@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 import torch
 from bench_async import DeadlineSource  # this folder is on sys.path when run as a script
 
-from aiokvo.handlers.pair import make_cpu_gpu_handlers
+from aiokvo.handlers import make_cpu_gpu_handlers
 from aiokvo.layout import CanonicalKVCaches
 from aiokvo.runtime.poller import EventPoller, PollerMode
 from aiokvo.runtime.run import run

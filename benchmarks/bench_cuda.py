@@ -43,7 +43,7 @@ from aiokvo.device.driver import CudaDriver, RuntimeDriver, load_driver
 from aiokvo.device.fake import FakeDriver
 from aiokvo.handlers.cuda.handler import CudaOffloadingHandler
 from aiokvo.handlers.cuda.handles import CudaEvent
-from aiokvo.layout import CanonicalKVCacheRef
+from aiokvo.layout import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 from aiokvo.memory.pinned import PinnedHostTensor
 from aiokvo.runtime.poller import EventPoller
 from aiokvo.specs import CPULoadStoreSpec, GPULoadStoreSpec
@@ -206,9 +206,11 @@ class Bench:
                     return (gpu_spec, cpu_spec) if out else (cpu_spec, gpu_spec)
 
                 for engine in ("dma", "kernel"):
+                    kv = CanonicalKVCaches(
+                        [CanonicalKVCacheTensor(t, int(t.shape[1])) for t in gpu], refs
+                    )
                     handler = CudaOffloadingHandler(
-                        gpu_tensors=gpu, cpu_tensors=cpu, group_data_refs=refs,
-                        block_size_factor=1, gpu_to_cpu=gpu_to_cpu, driver=self.driver,
+                        kv, cpu, block_size_factor=1, gpu_to_cpu=gpu_to_cpu, driver=self.driver,
                         engine=engine, max_buffered=0,
                     )
                     async with handler:

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from aiokvo.handlers import make_cpu_gpu_handlers
 from aiokvo.handlers.host import DEFAULT_COPY_THREADS
-from aiokvo.handlers.pair import make_cpu_gpu_handlers
 from aiokvo.layout import CanonicalKVCaches
 from aiokvo.runtime.run import run
 from aiokvo.specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferSpec

@@ -32,6 +32,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -292,7 +293,7 @@ def print_summary(args: argparse.Namespace, snap: Snapshot, stats: Stats, wall: 
         print(f"  {name:<{width}}  {value}")
 
 
-async def main_async(args: argparse.Namespace) -> int:
+async def main_async(args: argparse.Namespace, **handler_options: Any) -> int:
     # The engine's KV cache: per layer, K and V stacked in front (FlashAttention).
     shape = (2, args.gpu_blocks, args.block_tokens, args.kv_heads, args.head_dim)
     layers = {
@@ -320,7 +321,8 @@ async def main_async(args: argparse.Namespace) -> int:
 
     kv_bytes = KVBytes(kv, args.seed)
     started = time.perf_counter()
-    async with CPUOffloadingSpec(config) as spec, OffloadingWorker() as worker:
+    spec = CPUOffloadingSpec(config, handler_options=handler_options)
+    async with spec, OffloadingWorker() as worker:
         for route in spec.get_handlers(kv):
             worker.register_handler(*route)
         manager = spec.get_manager()
@@ -350,8 +352,9 @@ async def main_async(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return run(main_async(parse_args(argv)))
+def main(argv: Sequence[str] | None = None, **handler_options: Any) -> int:
+    """Run the demo; ``handler_options`` go to the host handlers (e.g. a ``copy_fn``)."""
+    return run(main_async(parse_args(argv), **handler_options))
 
 
 if __name__ == "__main__":

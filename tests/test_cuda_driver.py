@@ -17,7 +17,7 @@ from aiokvo.device.driver import CudaDriver, RuntimeDriver, cuda_device_count, l
 from aiokvo.device.fake import FakeDriver
 from aiokvo.errors import CudaError, CudaUnavailableError
 from aiokvo.handlers.cuda.handler import CudaOffloadingHandler
-from aiokvo.layout import CanonicalKVCacheRef
+from aiokvo.layout import CanonicalKVCaches
 
 Err = runtime.cudaError_t
 
@@ -85,9 +85,8 @@ def test_a_cuda_handler_without_a_driver_raises_a_clear_error(
 
     with pytest.raises(CudaUnavailableError, match="no usable CUDA driver"):
         CudaOffloadingHandler(
-            gpu_tensors=[torch.zeros(2, 4, dtype=torch.int8)],
-            cpu_tensors=[torch.zeros(2, 4, dtype=torch.int8)],
-            group_data_refs=[[CanonicalKVCacheRef(0, 4)]],
+            CanonicalKVCaches.from_block_tensors([[torch.zeros(2, 4, dtype=torch.int8)]]),
+            [torch.zeros(2, 4, dtype=torch.int8)],
             block_size_factor=1,
             gpu_to_cpu=True,
         )

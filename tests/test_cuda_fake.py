@@ -24,20 +24,27 @@ import torch
 
 from aiokvo.device.fake import FakeDriver
 from aiokvo.errors import ConfigError, CudaError, TransferSpecError
+from aiokvo.handlers import CpuGpuHandlers
 from aiokvo.handlers.cuda.engines import choose_engine, coalesce
 from aiokvo.handlers.cuda.handler import CudaOffloadingHandler
 from aiokvo.handlers.cuda.kernel import COPY_KERNEL_NAME, COPY_KERNEL_SOURCE, get_copy_kernel
 from aiokvo.handlers.cuda.pair import make_cuda_handlers
-from aiokvo.handlers.pair import CpuGpuHandlers
-from aiokvo.handlers.plan import PointerPlan
-from aiokvo.layout import CanonicalKVCacheRef, CanonicalKVCaches
+from aiokvo.layout import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 from aiokvo.memory.pinned import HostRegistration, PinnedHostTensor
 from aiokvo.memory.shared_region import SharedOffloadRegion
+from aiokvo.plan import PointerPlan
 from aiokvo.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 PAGE = 256
 GPU_BLOCKS = 12
 CPU_BLOCKS = 8
+
+
+def canonical(
+    tensors: list[torch.Tensor], refs: list[list[CanonicalKVCacheRef]]
+) -> CanonicalKVCaches:
+    """Row tensors (whole rows are pages) and their group refs as KV caches."""
+    return CanonicalKVCaches([CanonicalKVCacheTensor(t, int(t.shape[1])) for t in tensors], refs)
 
 
 @pytest.fixture
@@ -67,9 +74,8 @@ class Rig:
 
     def handler(self, gpu_to_cpu: bool, **options: object) -> CudaOffloadingHandler:
         return CudaOffloadingHandler(
-            gpu_tensors=self.gpu,
-            cpu_tensors=self.cpu,
-            group_data_refs=self.refs,
+            canonical(self.gpu, self.refs),
+            self.cpu,
             block_size_factor=self.factor,
             gpu_to_cpu=gpu_to_cpu,
             driver=self.driver,
@@ -223,18 +229,18 @@ async def test_kernel_unavailable_falls_back_in_auto_and_raises_when_forced(
     gpu = [torch.zeros(4, PAGE, dtype=torch.int8)]
     cpu = [torch.zeros(4, PAGE, dtype=torch.int8)]  # not registered: not device-mapped
     refs = [[CanonicalKVCacheRef(0, PAGE)]]
-    common = {"gpu_tensors": gpu, "cpu_tensors": cpu, "group_data_refs": refs,
-              "block_size_factor": 1, "gpu_to_cpu": False, "driver": fake}
-    async with CudaOffloadingHandler(**common) as handler:  # type: ignore[arg-type]
+    kv = canonical(gpu, refs)
+    common = {"block_size_factor": 1, "gpu_to_cpu": False, "driver": fake}
+    async with CudaOffloadingHandler(kv, cpu, **common) as handler:  # type: ignore[arg-type]
         assert not handler.kernel_ready
         assert handler.kernel_unavailable_reason is not None
         assert "cudaHostGetDevicePointer" in handler.kernel_unavailable_reason
         result = await handler.transfer_async(1, load([0], [1]))
         assert result.success and handler.engine_counts == {"dma": 1, "kernel": 0}
     with pytest.raises(CudaError, match="cudaErrorInvalidValue"):
-        CudaOffloadingHandler(**common, engine="kernel")  # type: ignore[arg-type]
+        CudaOffloadingHandler(kv, cpu, **common, engine="kernel")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="'magic'"):
-        CudaOffloadingHandler(**common, engine="magic")  # type: ignore[arg-type]
+        CudaOffloadingHandler(kv, cpu, **common, engine="magic")  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------- ordering
@@ -395,9 +401,8 @@ async def test_failure_creating_the_second_timing_event_leaks_nothing(rig: Rig) 
 def test_gpu_tensors_need_matching_cpu_tensors(fake: FakeDriver) -> None:
     with pytest.raises(ConfigError, match="2 GPU tensors but 1 CPU"):
         CudaOffloadingHandler(
-            gpu_tensors=[torch.zeros(2, 4, dtype=torch.int8)] * 2,
-            cpu_tensors=[torch.zeros(2, 4, dtype=torch.int8)],
-            group_data_refs=[[CanonicalKVCacheRef(0, 4)]],
+            canonical([torch.zeros(2, 4, dtype=torch.int8)] * 2, [[CanonicalKVCacheRef(0, 4)]]),
+            [torch.zeros(2, 4, dtype=torch.int8)],
             block_size_factor=1,
             gpu_to_cpu=True,
             driver=fake,

@@ -18,7 +18,7 @@ from aiokvo.device.driver import RuntimeDriver, load_driver
 from aiokvo.handlers.cuda.handler import CudaOffloadingHandler
 from aiokvo.handlers.cuda.kernel import get_copy_kernel
 from aiokvo.handlers.cuda.pair import make_cuda_handlers
-from aiokvo.layout import CanonicalKVCacheRef, CanonicalKVCaches
+from aiokvo.layout import CanonicalKVCaches
 from aiokvo.runtime.poller import EventPoller
 from aiokvo.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
@@ -171,9 +171,8 @@ async def test_shared_region_registered_as_pinned(driver: RuntimeDriver, engine:
         region.pin(driver=driver)
         views = [region.create_next_view(page) for _ in kv]
         handler = CudaOffloadingHandler(
-            gpu_tensors=[rows(t) for t in kv],
-            cpu_tensors=views,
-            group_data_refs=[[CanonicalKVCacheRef(0, page), CanonicalKVCacheRef(1, page)]],
+            CanonicalKVCaches.from_block_tensors([kv]),
+            views,
             block_size_factor=1,
             gpu_to_cpu=True,
             driver=driver,
@@ -247,7 +246,7 @@ async def test_memcpy_loop_fallback_round_trip(loop_driver: RuntimeDriver) -> No
 
 
 async def test_the_generic_pair_factory_picks_cuda_for_cuda_tensors() -> None:
-    from aiokvo.handlers.pair import make_cpu_gpu_handlers
+    from aiokvo.handlers import make_cpu_gpu_handlers
 
     kv = random_kv(2, 8, (16, 8, 16))
     caches = CanonicalKVCaches.from_block_tensors([kv])

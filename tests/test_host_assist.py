@@ -2,8 +2,9 @@
 
 A loop that keeps running Python can keep the dispatch thread from ever
 getting the GIL (the GIL convoy in docs/async.md). Here the thread is held
-back with a gate instead, which is the same thing seen from the loop: the
-thread never claims its work.
+back with a gate instead (a ``thread_factory`` whose threads wait before
+looking for work), which is the same thing seen from the loop: the thread
+never claims its work.
 """
 
 from __future__ import annotations
@@ -15,10 +16,15 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 import torch
 
-import aiokvo.handlers.host as host
 from aiokvo.errors import ConfigError
-from aiokvo.handlers.host import HostCopy, HostOffloadingHandler, _DispatchThread, _TimedHostEvent
-from aiokvo.handlers.pair import make_cpu_gpu_handlers
+from aiokvo.handlers import make_cpu_gpu_handlers
+from aiokvo.handlers.host import (
+    DispatchEvent,
+    DispatchThread,
+    HostCopy,
+    HostOffloadingHandler,
+    apply_host_copies,
+)
 from aiokvo.layout import CanonicalKVCaches
 from aiokvo.runtime.poller import EventPoller
 from aiokvo.runtime.sources import AssistableSource
@@ -38,95 +44,109 @@ def _store(block: int) -> TransferSpec:
     return (GPULoadStoreSpec([block], [1], [0]), CPULoadStoreSpec([block]))
 
 
+class StalledThreads:
+    """A ``thread_factory`` whose threads wait for :attr:`gate` before looking for work."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+
+    def __call__(
+        self, *, target: Callable[[], None], name: str, daemon: bool
+    ) -> threading.Thread:
+        def stalled() -> None:
+            self.gate.wait(timeout=30)
+            target()
+
+        return threading.Thread(target=stalled, name=name, daemon=daemon)
+
+    def dispatcher(self) -> DispatchThread:
+        return DispatchThread("aiokvo-host-g2c", thread_factory=self)
+
+
 @pytest.fixture
-def stalled_dispatch(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
-    """Dispatch threads wait for the yielded gate before looking for work."""
-    gate = threading.Event()
-    real_run = _DispatchThread._run
+def stalled() -> Iterator[StalledThreads]:
+    threads = StalledThreads()
+    yield threads
+    threads.gate.set()
 
-    def stalled_run(self: _DispatchThread) -> None:
-        gate.wait(timeout=30)
-        real_run(self)
 
-    monkeypatch.setattr(_DispatchThread, "_run", stalled_run)
-    yield gate
-    gate.set()
+def _store_handler(
+    caches: CanonicalKVCaches, dispatcher: DispatchThread, **options: object
+) -> HostOffloadingHandler:
+    """A store handler over a fresh pool whose copies run on ``dispatcher``."""
+    return HostOffloadingHandler(
+        caches,
+        [torch.zeros((NUM_BLOCKS, PAGE), dtype=torch.int8)],
+        block_size_factor=1,
+        gpu_to_cpu=True,
+        dispatcher=dispatcher,
+        **options,  # type: ignore[arg-type]
+    )
 
 
 @pytest.mark.both_loops
 @pytest.mark.parametrize("poller_mode", ["thread", "adaptive", "spin"])
 async def test_the_loop_runs_copies_its_thread_never_started(
-    stalled_dispatch: threading.Event, poller_mode: str
+    stalled: StalledThreads, poller_mode: str
 ) -> None:
     caches = _caches()
-    async with make_cpu_gpu_handlers(
-        caches, block_size_factor=1, num_cpu_blocks=NUM_BLOCKS, poller_mode=poller_mode
-    ) as handlers:
-        store = handlers.gpu_to_cpu
+    dispatcher = stalled.dispatcher()
+    async with _store_handler(caches, dispatcher, poller_mode=poller_mode) as store:
         tasks = [store.transfer_async(job, _store(job)) for job in range(6)]
         results: list[TransferResult] = [await asyncio.wait_for(t, 10) for t in tasks]
         # The thread is still at its gate, so the loop did every copy.
-        assert not stalled_dispatch.is_set()
+        assert not stalled.gate.is_set()
         assert all(r.success and r.transfer_time is not None for r in results)
         assert [r.job_id for r in store.get_finished_nowait()] == list(range(6))
-        cpu = handlers.cpu_tensors[0]
+        cpu = store.cpu_tensors[0]
         for block in range(6):
             assert torch.equal(cpu[block], caches.tensors[0].tensor[block])
         assert not cpu[6:].any()
-        stalled_dispatch.set()  # the woken thread finds nothing left to do
+        stalled.gate.set()  # the woken thread finds nothing left to do
         assert (await store.transfer_async(9, _store(9))).success
         assert torch.equal(cpu[9], caches.tensors[0].tensor[9])
+    dispatcher.shutdown()
 
 
-async def test_inline_after_none_keeps_copies_off_the_loop(
-    stalled_dispatch: threading.Event,
-) -> None:
+async def test_inline_after_none_keeps_copies_off_the_loop(stalled: StalledThreads) -> None:
     caches = _caches()
-    async with make_cpu_gpu_handlers(
-        caches, block_size_factor=1, num_cpu_blocks=NUM_BLOCKS, inline_after=None
-    ) as handlers:
-        task = handlers.gpu_to_cpu.transfer_async(1, _store(3))
+    dispatcher = stalled.dispatcher()
+    async with _store_handler(caches, dispatcher, inline_after=None) as store:
+        task = store.transfer_async(1, _store(3))
         await asyncio.sleep(0.05)  # 25 times the default inline_after
         assert not task.done()
-        assert not handlers.cpu_tensors[0].any()
-        stalled_dispatch.set()
+        assert not store.cpu_tensors[0].any()
+        stalled.gate.set()
         assert (await asyncio.wait_for(task, 10)).success
-        assert torch.equal(handlers.cpu_tensors[0][3], caches.tensors[0].tensor[3])
+        assert torch.equal(store.cpu_tensors[0][3], caches.tensors[0].tensor[3])
+    dispatcher.shutdown()
 
 
-async def test_a_caller_copy_fn_is_never_run_on_the_loop(
-    stalled_dispatch: threading.Event,
-) -> None:
+async def test_a_caller_copy_fn_is_never_run_on_the_loop(stalled: StalledThreads) -> None:
     ran_on: list[str] = []
 
     def copy(copies: Sequence[HostCopy]) -> None:
         ran_on.append(threading.current_thread().name)
-        host.apply_host_copies(copies)
+        apply_host_copies(copies)
 
-    async with make_cpu_gpu_handlers(
-        _caches(), block_size_factor=1, num_cpu_blocks=NUM_BLOCKS, copy_fn=copy
-    ) as handlers:
-        task = handlers.gpu_to_cpu.transfer_async(1, _store(2))
+    dispatcher = stalled.dispatcher()
+    async with _store_handler(_caches(), dispatcher, copy_fn=copy) as store:
+        task = store.transfer_async(1, _store(2))
         await asyncio.sleep(0.05)
         assert not task.done() and ran_on == []
-        stalled_dispatch.set()
+        stalled.gate.set()
         assert (await asyncio.wait_for(task, 10)).success
         assert ran_on == ["aiokvo-host-g2c"]
+    dispatcher.shutdown()
 
 
 @pytest.mark.parametrize("poller_mode", ["thread", "spin"])
-async def test_thread_and_loop_racing_for_jobs_run_each_once_in_order(
-    monkeypatch: pytest.MonkeyPatch, poller_mode: str
-) -> None:
-    """``inline_after=0``: the loop claims any job the thread has not claimed yet."""
-    real = host.apply_host_copies
-    ran: list[tuple[int, str]] = []
+async def test_thread_and_loop_racing_for_jobs_copy_each_once_in_order(poller_mode: str) -> None:
+    """``inline_after=0``: the loop claims any job the thread has not claimed yet.
 
-    def recording(copies: Sequence[HostCopy]) -> None:
-        ran.append((int(copies[0].src_rows[0]), threading.current_thread().name))
-        real(copies)
-
-    monkeypatch.setattr(host, "apply_host_copies", recording)
+    Every job writes a different GPU block into CPU block 0: only the last one
+    may be left there, and every transfer reports success in order.
+    """
     caches = _caches()
     async with make_cpu_gpu_handlers(
         caches,
@@ -137,58 +157,95 @@ async def test_thread_and_loop_racing_for_jobs_run_each_once_in_order(
     ) as handlers:
         store = handlers.gpu_to_cpu
         jobs = [(job, job % NUM_BLOCKS) for job in range(300)]
-        tasks = [store.transfer_async(job, _store(block)) for job, block in jobs]
+        tasks = [
+            store.transfer_async(job, (GPULoadStoreSpec([block], [1], [0]), CPULoadStoreSpec([0])))
+            for job, block in jobs
+        ]
         results = [await asyncio.wait_for(t, 10) for t in tasks]
-    assert all(r.success for r in results)
-    assert [r.job_id for r in results] == [job for job, _ in jobs]
-    assert [block for block, _ in ran] == [block for _, block in jobs]  # once each, in order
-    assert {name for _, name in ran} <= {"aiokvo-host-g2c", threading.current_thread().name}
+        assert all(r.success for r in results)
+        assert [r.job_id for r in results] == [job for job, _ in jobs]
+        assert torch.equal(handlers.cpu_tensors[0][0], caches.tensors[0].tensor[jobs[-1][1]])
+
+
+def test_dispatch_thread_and_loop_racing_run_each_job_once_in_order() -> None:
+    """The loop's ``assist`` and the thread claim jobs under one lock: once each, in order."""
+    dispatch = DispatchThread("test-race")
+    ran: list[tuple[int, str]] = []
+
+    def job(n: int) -> Callable[[], tuple[()]]:
+        def run() -> tuple[()]:
+            ran.append((n, threading.current_thread().name))
+            return ()
+
+        return run
+
+    events = [DispatchEvent(dispatch, 0.0) for _ in range(300)]
+    for n, event in enumerate(events):
+        dispatch.submit(job(n), event)
+        event.assist()  # as the poller does on the loop thread; patience 0: always overdue
+    for event in events:
+        event.synchronize()
+    dispatch.shutdown()
+    assert [n for n, _ in ran] == list(range(300))
+    assert {name for _, name in ran} <= {"test-race", threading.current_thread().name}
 
 
 async def test_a_copy_that_fails_on_the_loop_fails_only_its_transfer(
-    stalled_dispatch: threading.Event, monkeypatch: pytest.MonkeyPatch
+    stalled: StalledThreads,
 ) -> None:
-    real = host.apply_host_copies
     boom = RuntimeError("injected")
-
-    def second_fails(copies: Sequence[HostCopy]) -> None:
-        if int(copies[0].src_rows[0]) == 1:
-            raise boom
-        real(copies)
-
-    monkeypatch.setattr(host, "apply_host_copies", second_fails)
     caches = _caches()
-    async with make_cpu_gpu_handlers(
-        caches, block_size_factor=1, num_cpu_blocks=NUM_BLOCKS
-    ) as handlers:
-        store = handlers.gpu_to_cpu
+    dispatcher = stalled.dispatcher()
+    async with _store_handler(caches, dispatcher) as store:
         tasks = [store.transfer_async(job, _store(job)) for job in range(3)]
+        # The loop runs the default copy itself; make the second job's copy fail by
+        # handing it a job that raises, through the dispatcher the handler uses.
+        failing = DispatchEvent(dispatcher, 0.0)
+
+        def fails() -> tuple[()]:
+            raise boom
+
+        dispatcher.submit(fails, failing)
+        tasks.append(store.transfer_async(3, _store(3)))
         results = [await asyncio.wait_for(t, 10) for t in tasks]
-        assert [r.success for r in results] == [True, False, True]
-        assert results[1].error is boom
-        assert not stalled_dispatch.is_set()
-        assert isinstance(store, HostOffloadingHandler)
-        assert not store._dispatch._busy  # released after the failure
-        assert not handlers.cpu_tensors[0][1].any()
-        stalled_dispatch.set()  # so that closing can join the thread
+        assert all(r.success for r in results)
+        with pytest.raises(RuntimeError, match="injected"):
+            failing.query()
+        assert not stalled.gate.is_set()
+        assert not dispatcher.busy  # released after the failure
+        for block in range(4):
+            assert torch.equal(store.cpu_tensors[0][block], caches.tensors[0].tensor[block])
+        stalled.gate.set()  # so that closing can join the thread
+    dispatcher.shutdown()
 
 
-def test_a_finished_copy_is_visible_before_its_thread_calls_set() -> None:
-    """The mark (``end``) and the dispatcher's release come from the copy's own
-    C-level pass, so a thread starved right after copying blocks nobody."""
-    dispatch = _DispatchThread("test-mark")
+def test_a_finished_job_is_visible_before_its_thread_calls_set() -> None:
+    """The mark (``end``) and the dispatcher's release come from the job's own
+    C-level pass, so a thread starved right after its job blocks nobody."""
+    dispatch = DispatchThread("test-mark")
     seen: list[tuple[bool, bool]] = []
+    started = threading.Event()
+    release = threading.Event()
 
-    class Probe(_TimedHostEvent):
+    class Probe(DispatchEvent):
         def set(self) -> None:
-            seen.append((self.query(), dispatch._busy))
+            seen.append((self.query(), dispatch.busy))
             super().set()
 
+    def hold() -> tuple[()]:
+        started.set()
+        release.wait(10)
+        return ()
+
+    dispatch.submit(hold, DispatchEvent())  # keeps the thread busy while we queue the probe
+    assert started.wait(10)
     event = Probe(dispatch, 0.0)
     assert isinstance(event, AssistableSource)
+    dispatch.submit(lambda: iter(()), event)
     assert not event.query()
-    dispatch._busy = True  # claimed, as _run and assist do under the lock
-    host._execute((host._apply_alone, [], event, 0.0), dispatch, inline=False)
+    release.set()
+    event.synchronize()
+    dispatch.shutdown()
     assert seen == [(True, False)]
     assert event.elapsed() is not None and event.elapsed() >= 0  # type: ignore[operator]
 

@@ -6,8 +6,8 @@ import asyncio
 import contextlib
 import sys
 import threading
-from collections.abc import Sequence
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,14 +20,16 @@ from aiokvo.errors import (
     LayoutError,
     TransferSpecError,
 )
+from aiokvo.handlers import CpuGpuHandlers, make_cpu_gpu_handlers
 from aiokvo.handlers.host import (
+    SPLIT_MIN_BYTES,
+    DispatchEvent,
+    DispatchThread,
     HostCopy,
     HostOffloadingHandler,
-    _DispatchThread,
-    _TimedHostEvent,
     apply_host_copies,
 )
-from aiokvo.handlers.pair import CpuGpuHandlers, make_cpu_gpu_handlers
+from aiokvo.handlers.host.copies import page_elements, page_voids, page_words
 from aiokvo.keys import make_offload_key
 from aiokvo.layout import CanonicalKVCaches
 from aiokvo.manager.cpu import CPUOffloadingManager
@@ -274,7 +276,7 @@ async def test_aclose_waits_for_copies_in_flight() -> None:
         assert _page(handlers.cpu_tensors[0], j, 0, page) == _gpu_row(caches, 0, j)
     assert store.in_flight == 0
     assert isinstance(store, HostOffloadingHandler)
-    assert store._dispatch._shutdown  # the worker thread was released
+    assert not store.dispatcher.running  # the worker thread was released
 
 
 async def test_cancelled_wait_still_reports_the_copy() -> None:
@@ -337,18 +339,13 @@ def test_apply_host_copies_moves_whole_pages(
     assert copy.nbytes == 12
 
 
-async def test_copy_threads_split_a_transfer_and_stay_exact(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import aiokvo.handlers.host as host
-
-    monkeypatch.setattr(host, "SPLIT_MIN_BYTES", 0)  # split even this small transfer
+async def test_copy_threads_split_a_transfer_and_stay_exact() -> None:
     _, caches = _kv_caches("kv_first", [3, 2])
     spec_gpu = GPULoadStoreSpec([0, 5, 9, 11, 2, 3], [4, 2], [0, 0])
     spec_cpu = CPULoadStoreSpec([7, 1, 4, 0, 2, 3])
     for threads in (1, 3):
-        handlers = make_cpu_gpu_handlers(
-            caches, block_size_factor=1, num_cpu_blocks=8, copy_threads=threads
+        handlers = make_cpu_gpu_handlers(  # split_min_bytes=0: split even this small transfer
+            caches, block_size_factor=1, num_cpu_blocks=8, copy_threads=threads, split_min_bytes=0
         )
         async with handlers:
             result = await handlers.gpu_to_cpu.transfer_async(1, (spec_gpu, spec_cpu))
@@ -364,12 +361,8 @@ async def test_copy_threads_split_a_transfer_and_stay_exact(
         make_cpu_gpu_handlers(caches, block_size_factor=1, num_cpu_blocks=8, copy_threads=0)
 
 
-async def test_a_failing_share_fails_the_whole_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
-    import aiokvo.handlers.host as host
-
+async def test_a_failing_share_fails_the_whole_transfer() -> None:
     _, caches = _kv_caches("kv_first", [2])
-    monkeypatch.setattr(host, "SPLIT_MIN_BYTES", 0)
-    real = host.apply_host_copies
     calls = 0
 
     def second_share_fails(copies: Sequence[HostCopy]) -> None:
@@ -377,11 +370,15 @@ async def test_a_failing_share_fails_the_whole_transfer(monkeypatch: pytest.Monk
         calls += 1
         if threading.current_thread().name.endswith("-h_0"):
             raise OSError("helper failed")
-        real(copies)
+        apply_host_copies(copies)
 
-    monkeypatch.setattr(host, "apply_host_copies", second_share_fails)
     async with make_cpu_gpu_handlers(
-        caches, block_size_factor=1, num_cpu_blocks=4, copy_threads=2
+        caches,
+        block_size_factor=1,
+        num_cpu_blocks=4,
+        copy_threads=2,
+        split_min_bytes=0,
+        copy_fn=second_share_fails,
     ) as handlers:
         result = await handlers.gpu_to_cpu.transfer_async(
             1, (GPULoadStoreSpec([0, 1], [2], [0]), CPULoadStoreSpec([0, 1]))
@@ -509,44 +506,39 @@ def test_quickstart_demo_verifies_every_reload(capsys: pytest.CaptureFixture[str
 
 
 def test_quickstart_demo_exits_non_zero_on_corrupt_reload(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    import aiokvo.handlers.host as host
-
-    real = host.apply_host_copies
-
     def corrupting(copies: Sequence[HostCopy]) -> None:
-        real(copies)
+        apply_host_copies(copies)
         for copy in copies:  # damage the first page written by every copy
             if copy.dst_rows.size:
                 row = int(copy.dst_rows[0])
                 page = copy.dst[row : row + 1].view(np.uint8).reshape(-1)  # either page view
                 page[0] = (int(page[0]) + 1) % 256  # not an involution: stays wrong on reload
 
-    monkeypatch.setattr(host, "apply_host_copies", corrupting)
     demo = _load_quickstart()
-    assert demo.main(DEMO_ARGS) == 1  # type: ignore[attr-defined]
+    assert demo.main(DEMO_ARGS, copy_fn=corrupting) == 1  # type: ignore[attr-defined]
     assert "FAILED" in capsys.readouterr().out
 
 
 def test_dispatch_thread_runs_jobs_in_order_and_restarts_after_idling() -> None:
-    dispatch = _DispatchThread("test-dispatch", idle_timeout=0.02)
+    dispatch = DispatchThread("test-dispatch", idle_timeout=0.02)
     ran: list[int] = []
     failed = RuntimeError("boom")
 
-    def job(n: int) -> list[HostCopy]:
-        return cast(list[HostCopy], [n])  # the copy_fn below only records it
+    def job(n: int) -> Callable[[], tuple[()]]:
+        def record() -> tuple[()]:
+            if n == 3:
+                raise failed
+            ran.append(n)
+            return ()
 
-    def record(copies: Sequence[HostCopy]) -> None:
-        (n,) = cast(Sequence[int], copies)
-        if n == 3:
-            raise failed
-        ran.append(n)
+        return record
 
     for burst in range(2):  # the second burst comes after the idle thread has exited
-        events = [_TimedHostEvent() for _ in range(8)]
+        events = [DispatchEvent() for _ in range(8)]
         for n, event in enumerate(events):
-            dispatch.submit(record, job(n + 10 * burst), event)
+            dispatch.submit(job(n + 10 * burst), event)
         for event in events[:-1]:
             with contextlib.suppress(RuntimeError):
                 event.synchronize()
@@ -558,15 +550,15 @@ def test_dispatch_thread_runs_jobs_in_order_and_restarts_after_idling() -> None:
             failed_event = events[3]
         pause = threading.Event()
         for _ in range(1000):  # it exits after idle_timeout without work
-            if dispatch._thread is None:
+            if not dispatch.running:
                 break
             pause.wait(0.01)
-        assert dispatch._thread is None
+        assert not dispatch.running
     with pytest.raises(RuntimeError, match="boom"):
         failed_event.query()
     dispatch.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
-        dispatch.submit(record, job(0), _TimedHostEvent())
+        dispatch.submit(job(0), DispatchEvent())
 
 
 async def test_many_tiny_transfers_pipelined_are_byte_exact_and_fifo() -> None:
@@ -592,12 +584,10 @@ async def test_many_tiny_transfers_pipelined_are_byte_exact_and_fifo() -> None:
 
 
 def test_page_views_are_int64_words_only_where_pages_are_aligned_words() -> None:
-    import aiokvo.handlers.host as host
-
     pool = torch.arange(6 * 32, dtype=torch.int8).reshape(6, 32)
-    words = host._page_elements(pool, 1, 32)
+    words = page_elements(pool, 1, 32)
     assert words.dtype == np.int64 and words.shape == (6, 4)
-    assert host._page_elements(pool, 2, 16).shape == (12, 2)  # sub-blocks of a row
+    assert page_elements(pool, 2, 16).shape == (12, 2)  # sub-blocks of a row
     flat = torch.zeros(6 * 32 + 1, dtype=torch.int8)
     fallbacks = {
         "12-byte pages": (torch.zeros(6, 12, dtype=torch.int8), 12),
@@ -605,12 +595,12 @@ def test_page_views_are_int64_words_only_where_pages_are_aligned_words() -> None
         "36-byte row stride": (torch.zeros(6, 36, dtype=torch.int8), 32),
     }
     for name, (tensor, nbytes) in fallbacks.items():
-        view = host._page_elements(tensor, 1, nbytes)
+        view = page_elements(tensor, 1, nbytes)
         assert view.dtype == np.dtype((np.void, nbytes)) and view.shape == (6,), name
     # Both kinds of view move the same bytes.
     for as_words in (True, False):
         dst = torch.zeros(4, 32, dtype=torch.int8)
-        pages = host._page_words if as_words else host._page_voids
+        pages = page_words if as_words else page_voids
         src_pages, dst_pages = pages(pool, 1, 32), pages(dst, 1, 32)
         assert src_pages is not None and dst_pages is not None
         copy = HostCopy(
@@ -626,27 +616,39 @@ def test_page_views_are_int64_words_only_where_pages_are_aligned_words() -> None
         assert dst[[2, 0, 1]].tolist() == pool[[5, 0, 3]].tolist() and not dst[3].any()
 
 
-@pytest.mark.parametrize("page_elems", [3, 24])  # 12-byte pages (np.void) and 96-byte (int64)
-async def test_split_round_trip_is_byte_exact_for_both_page_views(
-    page_elems: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import aiokvo.handlers.host as host
+class CopyRecorder:
+    """A ``copy_fn`` that does the copy and records the page views and the thread."""
 
-    monkeypatch.setattr(host, "SPLIT_MIN_BYTES", 0)
+    def __init__(self) -> None:
+        self.dtypes: list[np.dtype[Any]] = []
+        self.threads: list[str] = []
+
+    def __call__(self, copies: Sequence[HostCopy]) -> None:
+        self.threads.append(threading.current_thread().name)
+        self.dtypes.extend(view.dtype for copy in copies for view in (copy.src, copy.dst))
+        apply_host_copies(copies)
+
+
+@pytest.mark.parametrize("page_elems", [3, 24])  # 12-byte pages (np.void) and 96-byte (int64)
+async def test_split_round_trip_is_byte_exact_for_both_page_views(page_elems: int) -> None:
     _, caches = _kv_caches("kv_first", [3, 2], page_elems=page_elems)
     gpu_spec = GPULoadStoreSpec([0, 5, 9, 11, 2, 3], [4, 2], [0, 0])
     cpu_spec = CPULoadStoreSpec([7, 1, 4, 0, 2, 3])
     originals = {(t, b): _gpu_row(caches, t, b) for t in range(10) for b in range(NUM_GPU_BLOCKS)}
+    recorder = CopyRecorder()
     async with make_cpu_gpu_handlers(
-        caches, block_size_factor=1, num_cpu_blocks=8, copy_threads=2
+        caches,
+        block_size_factor=1,
+        num_cpu_blocks=8,
+        copy_threads=2,
+        split_min_bytes=0,
+        copy_fn=recorder,
     ) as handlers:
         assert (await handlers.gpu_to_cpu.transfer_async(1, (gpu_spec, cpu_spec))).success
         load_spec = GPULoadStoreSpec([12, 13, 14, 15, 16, 17], [4, 2], [0, 0])
         assert (await handlers.cpu_to_gpu.transfer_async(2, (cpu_spec, load_spec))).success
-        pairs = handlers.gpu_to_cpu._page_views.values()  # type: ignore[attr-defined]
-        dtypes = [view.dtype for pair in pairs for view in pair]
     want = np.int64 if page_elems == 24 else np.dtype((np.void, 4 * page_elems))
-    assert len(dtypes) == 20 and all(dtype == want for dtype in dtypes)
+    assert len(recorder.dtypes) == 40 and all(dtype == want for dtype in recorder.dtypes)
     moved = [([0, 5, 9, 11], [12, 13, 14, 15]), ([2, 3], [16, 17])]  # per group: GPU -> GPU
     for g, (sources, targets) in enumerate(moved):
         for ref in caches.group_data_refs[g]:
@@ -654,58 +656,51 @@ async def test_split_round_trip_is_byte_exact_for_both_page_views(
                 assert _gpu_row(caches, ref.tensor_idx, dst) == originals[ref.tensor_idx, src]
 
 
-async def test_only_transfers_of_split_min_bytes_or_more_are_split(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import aiokvo.handlers.host as host
-
+async def test_only_transfers_of_split_min_bytes_or_more_are_split() -> None:
     _, caches = _kv_caches("kv_first", [2])
-    real = host.apply_host_copies
-    threads: list[str] = []
-
-    def recording(copies: Sequence[HostCopy]) -> None:
-        threads.append(threading.current_thread().name)
-        real(copies)
-
-    monkeypatch.setattr(host, "apply_host_copies", recording)
     spec = (GPULoadStoreSpec([0, 1], [2], [0]), CPULoadStoreSpec([0, 1]))
-    async with make_cpu_gpu_handlers(  # inline_after=None: a slow box must not move copies
-        caches, block_size_factor=1, num_cpu_blocks=4, copy_threads=2, inline_after=None
-    ) as handlers:
-        size = (await handlers.gpu_to_cpu.transfer_async(1, spec)).transfer_size
-        assert size is not None
-        assert size < host.SPLIT_MIN_BYTES and threads == ["aiokvo-host-g2c"]
-        monkeypatch.setattr(host, "SPLIT_MIN_BYTES", size + 1)
-        threads.clear()
-        assert (await handlers.gpu_to_cpu.transfer_async(2, spec)).success
-        assert threads == ["aiokvo-host-g2c"]
-        monkeypatch.setattr(host, "SPLIT_MIN_BYTES", size)
-        threads.clear()
-        assert (await handlers.gpu_to_cpu.transfer_async(3, spec)).success
-        assert sorted(threads) == ["aiokvo-host-g2c", "aiokvo-host-g2c-h_0"]
+    size = 2 * caches.copied_bytes_per_block(0)
+    for threshold, want in (
+        (SPLIT_MIN_BYTES, ["aiokvo-host-g2c"]),
+        (size + 1, ["aiokvo-host-g2c"]),
+        (size, ["aiokvo-host-g2c", "aiokvo-host-g2c-h_0"]),
+    ):
+        recorder = CopyRecorder()
+        async with make_cpu_gpu_handlers(
+            caches,
+            block_size_factor=1,
+            num_cpu_blocks=4,
+            copy_threads=2,
+            split_min_bytes=threshold,
+            copy_fn=recorder,
+        ) as handlers:
+            result = await handlers.gpu_to_cpu.transfer_async(1, spec)
+        assert result.success and result.transfer_size == size
+        assert sorted(recorder.threads) == want, threshold
+    assert size < SPLIT_MIN_BYTES
 
 
-async def test_split_transfers_complete_whole_and_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    import aiokvo.handlers.host as host
-
-    monkeypatch.setattr(host, "SPLIT_MIN_BYTES", 0)
+async def test_split_transfers_complete_whole_and_in_order() -> None:
     _, caches = _kv_caches("blocks_first", [3])
-    real = host.apply_host_copies
     gate = threading.Event()  # holds the helper's share of the first transfer
     dispatch_share_done = threading.Event()
 
     def gated(copies: Sequence[HostCopy]) -> None:
         if threading.current_thread().name.endswith("-h_0"):
             gate.wait()
-            real(copies)
+            apply_host_copies(copies)
         else:
-            real(copies)
+            apply_host_copies(copies)
             dispatch_share_done.set()
 
-    monkeypatch.setattr(host, "apply_host_copies", gated)
     page = caches.tensors[0].page_size_bytes
     async with make_cpu_gpu_handlers(
-        caches, block_size_factor=1, num_cpu_blocks=2, copy_threads=2
+        caches,
+        block_size_factor=1,
+        num_cpu_blocks=2,
+        copy_threads=2,
+        split_min_bytes=0,
+        copy_fn=gated,
     ) as handlers:
         store = handlers.gpu_to_cpu
         # Every job writes GPU block job into CPU block 1 of all three tensors: the last wins.
@@ -729,27 +724,28 @@ async def test_split_transfers_complete_whole_and_in_order(monkeypatch: pytest.M
         assert _page(handlers.cpu_tensors[t], 1, 0, page) == _gpu_row(caches, t, 19)
 
 
-async def test_an_unaligned_side_makes_both_sides_fall_back_to_void_pages(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import aiokvo.handlers.host as host
-
-    monkeypatch.setattr(host, "SPLIT_MIN_BYTES", 0)  # the split path, which prefers words
+async def test_an_unaligned_side_makes_both_sides_fall_back_to_void_pages() -> None:
     _, caches = _kv_caches("blocks_first", [1])
     gpu = caches.tensors[0].tensor
     page = caches.tensors[0].page_size_bytes
     flat = torch.zeros(4 * page + 1, dtype=torch.int8)
     pool = flat[1:].view(4, page)  # contiguous, but starts one byte past a word
-    store = HostOffloadingHandler(
-        caches, [pool], block_size_factor=1, gpu_to_cpu=True, copy_threads=2
+    recorder = CopyRecorder()
+    store = HostOffloadingHandler(  # the split path, which prefers words
+        caches,
+        [pool],
+        block_size_factor=1,
+        gpu_to_cpu=True,
+        copy_threads=2,
+        split_min_bytes=0,
+        copy_fn=recorder,
     )
     async with store:
         result = await store.transfer_async(
             1, (GPULoadStoreSpec([7, 2], [2], [0]), CPULoadStoreSpec([3, 0]))
         )
-        views = list(store._page_views.values())
     assert result.success
-    assert [v.dtype for v in views[0]] == [np.dtype((np.void, page))] * 2
+    assert recorder.dtypes == [np.dtype((np.void, page))] * 2
     assert pool[3].numpy().tobytes() == gpu[7].numpy().tobytes()
     assert pool[0].numpy().tobytes() == gpu[2].numpy().tobytes()
     assert not pool[1:3].any()
@@ -757,25 +753,24 @@ async def test_an_unaligned_side_makes_both_sides_fall_back_to_void_pages(
 
 @pytest.mark.parametrize("copy_threads", [1, 2])
 async def test_unsplit_transfers_use_void_pages_and_split_ones_int64_words(
-    copy_threads: int, monkeypatch: pytest.MonkeyPatch
+    copy_threads: int,
 ) -> None:
-    import aiokvo.handlers.host as host
-
     _, caches = _kv_caches("blocks_first", [2])
     spec = (GPULoadStoreSpec([4, 9], [2], [0]), CPULoadStoreSpec([1, 0]))
-    async with make_cpu_gpu_handlers(
-        caches, block_size_factor=1, num_cpu_blocks=2, copy_threads=copy_threads
-    ) as handlers:
-        store = handlers.gpu_to_cpu
-        assert (await store.transfer_async(1, spec)).success  # small: never split
-        monkeypatch.setattr(host, "SPLIT_MIN_BYTES", 0)
-        assert (await store.transfer_async(2, spec)).success  # split only with 2 threads
-        kinds = {key[-1]: pair[0].dtype for key, pair in store._page_views.items()}  # type: ignore[attr-defined]
     page = caches.tensors[0].page_size_bytes
-    want: dict[bool, np.dtype[Any]] = {False: np.dtype((np.void, page))}
-    if copy_threads == 2:
-        want[True] = np.dtype(np.int64)
-    assert kinds == want
-    for t in range(2):
-        assert _page(handlers.cpu_tensors[t], 1, 0, page) == _gpu_row(caches, t, 4)
-        assert _page(handlers.cpu_tensors[t], 0, 0, page) == _gpu_row(caches, t, 9)
+    void = np.dtype((np.void, page))
+    for split_min_bytes, words in ((SPLIT_MIN_BYTES, False), (0, copy_threads == 2)):
+        recorder = CopyRecorder()
+        async with make_cpu_gpu_handlers(
+            caches,
+            block_size_factor=1,
+            num_cpu_blocks=2,
+            copy_threads=copy_threads,
+            split_min_bytes=split_min_bytes,
+            copy_fn=recorder,
+        ) as handlers:
+            assert (await handlers.gpu_to_cpu.transfer_async(1, spec)).success
+        assert set(recorder.dtypes) == {np.dtype(np.int64) if words else void}
+        for t in range(2):
+            assert _page(handlers.cpu_tensors[t], 1, 0, page) == _gpu_row(caches, t, 4)
+            assert _page(handlers.cpu_tensors[t], 0, 0, page) == _gpu_row(caches, t, 9)

@@ -7,15 +7,38 @@ import pytest
 import torch
 
 from aiokvo.errors import TransferSpecError
-from aiokvo.handlers.plan import (
+from aiokvo.layout import CanonicalKVCacheRef
+from aiokvo.plan import (
+    PointerPlan,
     RowSpace,
+    TensorLike,
+    TransferPlan,
     TransferPlanner,
     compute_sub_block_ptrs,
-    plan_copy_ptrs,
-    plan_transfer,
 )
-from aiokvo.layout import CanonicalKVCacheRef
-from aiokvo.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from aiokvo.plan.rows import check_ptrs_inside
+from aiokvo.specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferSpec
+
+
+def plan_transfer(
+    spec: TransferSpec,
+    refs: list[list[CanonicalKVCacheRef]],
+    src: list[TensorLike],
+    dst: list[TensorLike],
+    factor: int,
+) -> TransferPlan:
+    """One transfer through a fresh planner: the reference a reused planner must match."""
+    return TransferPlanner(refs, src, dst, factor).plan(spec)
+
+
+def plan_copy_ptrs(
+    spec: TransferSpec,
+    refs: list[list[CanonicalKVCacheRef]],
+    src: list[TensorLike],
+    dst: list[TensorLike],
+    factor: int,
+) -> PointerPlan:
+    return plan_transfer(spec, refs, src, dst, factor).pointers()
 
 # -- compute_sub_block_ptrs -----------------------------------------------------------
 
@@ -54,7 +77,7 @@ def test_sub_block_ptrs_factor_three_non_contiguous_rows() -> None:
         ([0, 1], 2, 4, 1, "4 sub-blocks requested"),
         ([0, 9], 1, 2, 0, "block id 9"),
         ([0, -1], 1, 2, 0, "block id -1"),
-        ([0], 0, 1, 0, "block_size_factor must be >= 1, got 0"),
+        ([0], 0, 1, 0, "block_size_factor must be an int >= 1, got 0"),
         ([0], 3, 1, 0, "not divisible by block_size_factor 3"),
     ],
 )
@@ -216,7 +239,7 @@ def _tensors(
         (GPULoadStoreSpec([1, 2], [2, 0], [1, 0]), CPULoadStoreSpec([0]), 2, "need 2"),
         (GPULoadStoreSpec([1, 10], [1, 1], [0, 0]), CPULoadStoreSpec([0, 1]), 1, "GPU block id 10"),
         (GPULoadStoreSpec([1, 2], [1, 1], [0, 0]), CPULoadStoreSpec([0, 6]), 1, "CPU block id 6"),
-        (GPULoadStoreSpec([1], [1, 0], [0, 0]), CPULoadStoreSpec([0]), 0, "factor must be >= 1"),
+        (GPULoadStoreSpec([1], [1, 0], [0, 0]), CPULoadStoreSpec([0]), 0, "factor must be an int"),
     ],
 )
 @pytest.mark.parametrize("gpu_to_cpu", [True, False])
@@ -313,22 +336,18 @@ def test_last_row_pointers_end_exactly_at_the_tensor_end() -> None:
 
 
 def test_pointer_guard_rejects_copies_leaving_the_tensor() -> None:
-    from aiokvo.handlers.plan import _check_ptrs_inside
-
     space = RowSpace(0x1000, 4, 16, 16)
-    _check_ptrs_inside(np.array([0x1000, 0x1030]), 16, space, "source", 0)
+    check_ptrs_inside(np.array([0x1000, 0x1030]), 16, space, "source", 0)
     with pytest.raises(TransferSpecError, match="leaves the tensor"):
-        _check_ptrs_inside(np.array([0x1031]), 16, space, "source", 0)
+        check_ptrs_inside(np.array([0x1031]), 16, space, "source", 0)
     with pytest.raises(TransferSpecError, match="leaves the tensor"):
-        _check_ptrs_inside(np.array([0xFFF]), 1, space, "destination", 0)
+        check_ptrs_inside(np.array([0xFFF]), 1, space, "destination", 0)
 
 
 # -- TransferPlanner -----------------------------------------------------------------
 
 
 def _same_plan(a: object, b: object) -> None:
-    from aiokvo.handlers.plan import TransferPlan
-
     assert isinstance(a, TransferPlan) and isinstance(b, TransferPlan)
     pa, pb = a.pointers(), b.pointers()
     assert pa.src_ptrs.tolist() == pb.src_ptrs.tolist()
@@ -345,7 +364,7 @@ def _same_plan(a: object, b: object) -> None:
 
 
 @pytest.mark.parametrize("factor", [1, 3])
-def test_planner_plans_what_plan_transfer_plans(factor: int) -> None:
+def test_a_reused_planner_plans_what_a_fresh_one_plans(factor: int) -> None:
     rng = np.random.default_rng(factor)
     gpu_t, cpu_t, _ = _tensors(gpu_rows=50, cpu_rows=40, factor=factor)
     one_group = [[CanonicalKVCacheRef(0, 16), CanonicalKVCacheRef(1, 8)]]
@@ -385,7 +404,7 @@ def test_planner_plans_what_plan_transfer_plans(factor: int) -> None:
     ],
 )
 @pytest.mark.parametrize("gpu_to_cpu", [True, False])
-def test_planner_raises_what_plan_transfer_raises(
+def test_a_reused_planner_raises_what_a_fresh_one_raises(
     gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec, needle: str, gpu_to_cpu: bool
 ) -> None:
     gpu_t = [torch.zeros((10, 16), dtype=torch.int8)]

@@ -87,7 +87,7 @@ def fake_core(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
     for name, attr, value in (
         ("aiokvo.manager.cpu", "CPUOffloadingManager", cpu_manager),
         ("aiokvo.manager.reuse", "FilterReusedOffloadingManager", reuse_manager),
-        ("aiokvo.handlers.pair", "make_cpu_gpu_handlers", make_pair),
+        ("aiokvo.handlers.routes", "make_cpu_gpu_handlers", make_pair),
     ):
         module = types.ModuleType(name)
         setattr(module, attr, value)
@@ -156,13 +156,13 @@ def test_get_handlers_yields_both_directions_built_once(fake_core: dict[str, lis
 
 
 def test_get_handlers_raises_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    module = types.ModuleType("aiokvo.handlers.pair")
+    module = types.ModuleType("aiokvo.handlers.routes")
 
     def broken(kv_caches: object, **kwargs: Any) -> None:
         raise ConfigError("no tensors in kv_caches")
 
     module.make_cpu_gpu_handlers = broken  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "aiokvo.handlers.pair", module)
+    monkeypatch.setitem(sys.modules, "aiokvo.handlers.routes", module)
     spec = CPUOffloadingSpec(make_config())
     with pytest.raises(ConfigError, match="no tensors"):
         spec.get_handlers(object())  # not only once iterated

@@ -1,27 +1,25 @@
-"""The data plane: transfer handlers, the worker that routes between them, copy plans.
+"""The data plane: transfer handlers, the worker that routes between them, the backends.
 
-The CUDA backend lives in :mod:`aiokvo.handlers.cuda`; it imports without a
-GPU and only needs one when a handler is built over CUDA tensors.
+The host backend is :mod:`aiokvo.handlers.host`; the CUDA backend lives in
+:mod:`aiokvo.handlers.cuda`, which imports without a GPU and only needs one
+when a handler is built over CUDA tensors.
 """
 
-from aiokvo.handlers.base import OffloadingHandler, SingleDirectionHandler, Submission
-from aiokvo.handlers.host import HostOffloadingHandler
-from aiokvo.handlers.pair import CpuGpuHandlers, allocate_cpu_pool, make_cpu_gpu_handlers
-from aiokvo.handlers.plan import compute_sub_block_ptrs, plan_copy_ptrs, plan_transfer
+from aiokvo.handlers.base import CpuGpuHandlers, OffloadingHandler, SingleDirectionHandler
+from aiokvo.handlers.host import HostOffloadingHandler, allocate_cpu_pool, make_host_handlers
+from aiokvo.handlers.routes import HandlerRoute, make_cpu_gpu_handlers
 from aiokvo.handlers.task import TransferTask
 from aiokvo.handlers.worker import OffloadingWorker
 
 __all__ = [
     "CpuGpuHandlers",
+    "HandlerRoute",
     "HostOffloadingHandler",
     "OffloadingHandler",
     "OffloadingWorker",
     "SingleDirectionHandler",
-    "Submission",
     "TransferTask",
     "allocate_cpu_pool",
-    "compute_sub_block_ptrs",
     "make_cpu_gpu_handlers",
-    "plan_copy_ptrs",
-    "plan_transfer",
+    "make_host_handlers",
 ]

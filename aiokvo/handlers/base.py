@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aiokvo._util import AsyncResource, check_int
 from aiokvo.errors import DuplicateJobError, HandlerClosedError, TransferSpecError
@@ -23,7 +24,11 @@ from aiokvo.runtime.poller import EventPoller, PollerMode, resolve_poller_mode
 from aiokvo.runtime.sources import CompletionSource
 from aiokvo.specs import TransferResult, TransferSpec, TransferType
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
+    "CpuGpuHandlers",
     "OffloadingHandler",
     "SingleDirectionHandler",
     "Submission",
@@ -145,6 +150,7 @@ class SingleDirectionHandler(OffloadingHandler):
             None if poller_mode is None else resolve_poller_mode(poller_mode)
         )
         self._live: dict[int, _InFlight] = {}
+        self._good_routes: set[tuple[type, type]] = set()
         self._order: deque[_InFlight] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._poller: EventPoller | None = None
@@ -224,6 +230,26 @@ class SingleDirectionHandler(OffloadingHandler):
         return f"<{type(self).__name__} {self.transfer_type[0]}->{self.transfer_type[1]} {state}>"
 
     # ---------------------------------------------------------------- internals
+    def _check_route(self, spec: TransferSpec) -> TransferSpec:
+        """``spec`` if its media are :attr:`transfer_type`, for backends to call in
+        :meth:`_submit`; spec types seen before pass at once."""
+        try:
+            src_spec, dst_spec = spec
+        except (TypeError, ValueError):
+            raise TransferSpecError(
+                f"a transfer spec is a (src_spec, dst_spec) pair, got {spec!r}"
+            ) from None
+        kinds = (type(src_spec), type(dst_spec))
+        if kinds not in self._good_routes:
+            route = (src_spec.medium(), dst_spec.medium())
+            if route != self.transfer_type:
+                raise TransferSpecError(
+                    f"this handler copies {self.transfer_type[0]} -> {self.transfer_type[1]}, "
+                    f"got a {route[0]} -> {route[1]} spec"
+                )
+            self._good_routes.add(kinds)
+        return spec
+
     def _bind(self, loop: asyncio.AbstractEventLoop) -> EventPoller:
         if self._loop is not None and loop is not self._loop and self._live:
             raise RuntimeError(
@@ -291,3 +317,24 @@ class SingleDirectionHandler(OffloadingHandler):
         finally:
             self._closed = True
             self._results.close()
+
+
+@dataclass(slots=True)
+class CpuGpuHandlers(AsyncResource):
+    """A store (``gpu_to_cpu``) and a load (``cpu_to_gpu``) handler sharing one CPU pool.
+
+    ``cpu_tensors[i]`` holds the offloaded blocks of canonical tensor ``i``.
+    Every backend builds one of these (``make_host_handlers``,
+    ``make_cuda_handlers``); closing closes both handlers.
+    """
+
+    gpu_to_cpu: OffloadingHandler
+    cpu_to_gpu: OffloadingHandler
+    cpu_tensors: tuple[torch.Tensor, ...]
+
+    async def aclose(self) -> None:
+        """Close both directions (each waits for its copies in flight)."""
+        try:
+            await self.gpu_to_cpu.aclose()
+        finally:
+            await self.cpu_to_gpu.aclose()

@@ -25,7 +25,7 @@ from aiokvo._util import check_choice
 from aiokvo.device.driver import CudaDriver
 from aiokvo.errors import CudaError
 from aiokvo.handlers.cuda.kernel import DESCRIPTOR_WORDS, get_copy_kernel
-from aiokvo.handlers.plan import Int64Array, PointerPlan
+from aiokvo.plan import Int64Array, PointerPlan
 
 __all__ = [
     "DEFAULT_KERNEL_BELOW_BYTES",

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 from aiokvo._util import check_int
 from aiokvo.device.driver import CudaDriver, RuntimeDriver, load_driver
-from aiokvo.errors import ConfigError, CudaError, TransferSpecError
+from aiokvo.errors import ConfigError, CudaError
 from aiokvo.handlers.base import SingleDirectionHandler, Submission
 from aiokvo.handlers.cuda.engines import (
     DEFAULT_KERNEL_BELOW_BYTES,
@@ -39,10 +39,10 @@ from aiokvo.handlers.cuda.engines import (
     coalesce,
 )
 from aiokvo.handlers.cuda.handles import CudaEvent, HandlePool, event_pool, stream_pool
-from aiokvo.handlers.plan import PointerPlan, RowSpace, TensorLike, plan_transfer
-from aiokvo.layout import CanonicalKVCacheRef
+from aiokvo.layout import CanonicalKVCaches
+from aiokvo.plan import PointerPlan, RowSpace, TensorLike, TransferPlanner
 from aiokvo.runtime.poller import PollerMode
-from aiokvo.specs import GPULoadStoreSpec, TransferSpec
+from aiokvo.specs import TransferSpec
 
 __all__ = ["CudaOffloadingHandler", "ProducerStream"]
 
@@ -80,8 +80,8 @@ class _Transfer:
 class CudaOffloadingHandler(SingleDirectionHandler):
     """Copies between CUDA KV-cache tensors and pinned CPU tensors, one direction.
 
-    ``gpu_tensors[i]`` and ``cpu_tensors[i]`` are the two sides of canonical
-    tensor ``i`` (``(num_blocks, page_bytes)`` int8; a CPU row holds
+    The constructor has the host backend's shape: ``cpu_tensors[i]`` is the
+    pinned pool of canonical tensor ``i`` of ``kv_caches`` (a row holds
     ``block_size_factor`` GPU pages). ``engine`` is ``"auto"`` (pick per
     transfer by page size against ``kernel_below_bytes``), ``"dma"`` or
     ``"kernel"``. With ``timing`` the reported ``transfer_time`` is the
@@ -92,10 +92,9 @@ class CudaOffloadingHandler(SingleDirectionHandler):
 
     def __init__(
         self,
-        *,
-        gpu_tensors: Sequence[TensorLike],
+        kv_caches: CanonicalKVCaches,
         cpu_tensors: Sequence[TensorLike],
-        group_data_refs: Sequence[Sequence[CanonicalKVCacheRef]],
+        *,
         block_size_factor: int,
         gpu_to_cpu: bool,
         driver: CudaDriver | None = None,
@@ -115,6 +114,7 @@ class CudaOffloadingHandler(SingleDirectionHandler):
         self._engine_mode = check_engine_mode(engine)
         kernel_below_bytes = check_int("kernel_below_bytes", kernel_below_bytes, minimum=0)
         block_size_factor = check_int("block_size_factor", block_size_factor, minimum=1)
+        gpu_tensors = [t.tensor for t in kv_caches.tensors]
         if len(gpu_tensors) != len(cpu_tensors):
             raise ConfigError(
                 f"{len(gpu_tensors)} GPU tensors but {len(cpu_tensors)} CPU tensors"
@@ -129,7 +129,9 @@ class CudaOffloadingHandler(SingleDirectionHandler):
         self._cpu_tensors = list(cpu_tensors)
         self._src_tensors = self._gpu_tensors if gpu_to_cpu else self._cpu_tensors
         self._dst_tensors = self._cpu_tensors if gpu_to_cpu else self._gpu_tensors
-        self._refs = [list(group) for group in group_data_refs]
+        self._planner = TransferPlanner(
+            kv_caches.group_data_refs, self._src_tensors, self._dst_tensors, block_size_factor
+        )
         self._coalesce = coalesce_copies
         self._producer = producer_stream
         self._lane = ("cuda", id(self), transfer_type)
@@ -207,18 +209,7 @@ class CudaOffloadingHandler(SingleDirectionHandler):
         )
 
     def _plan(self, spec: TransferSpec) -> PointerPlan:
-        try:
-            src_spec, _ = spec
-        except (TypeError, ValueError):
-            raise TransferSpecError(f"a transfer spec is a (src, dst) pair, got {spec!r}") from None
-        if isinstance(src_spec, GPULoadStoreSpec) != self.gpu_to_cpu:
-            raise TransferSpecError(
-                f"this handler copies {self.transfer_type[0]} -> {self.transfer_type[1]}, "
-                f"but the source spec is {src_spec!r}"
-            )
-        plan = plan_transfer(
-            spec, self._refs, self._src_tensors, self._dst_tensors, self.block_size_factor
-        ).pointers()
+        plan = self._planner.plan(self._check_route(spec)).pointers()
         return coalesce(plan) if self._coalesce else plan
 
     def _enqueue(self, transfer: _Transfer) -> None:

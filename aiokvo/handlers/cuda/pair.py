@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
+from aiokvo._util import check_int
 from aiokvo.device.driver import CudaDriver, load_driver
-from aiokvo.errors import ConfigError
+from aiokvo.handlers.base import CpuGpuHandlers
 from aiokvo.handlers.cuda.handler import CudaOffloadingHandler
-from aiokvo.handlers.pair import CpuGpuHandlers
 from aiokvo.layout import CanonicalKVCaches
 from aiokvo.memory.pinned import DEFAULT_MAX_CHUNK, PinnedHostTensor
 
@@ -50,12 +50,8 @@ def make_cuda_handlers(
     ...). Raises :class:`~aiokvo.errors.CudaUnavailableError` without a GPU
     unless a ``driver`` (e.g. the fake) is given.
     """
-    for name, value, minimum in (
-        ("block_size_factor", block_size_factor, 1),
-        ("num_cpu_blocks", num_cpu_blocks, 0),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+    block_size_factor = check_int("block_size_factor", block_size_factor, minimum=1)
+    num_cpu_blocks = check_int("num_cpu_blocks", num_cpu_blocks, minimum=0)
     if driver is None:
         device = kv_caches.device
         driver = load_driver(device.index if device.type == "cuda" and device.index else 0)
@@ -70,17 +66,13 @@ def make_cuda_handlers(
             pool = PinnedHostTensor(num_cpu_blocks, row_bytes, driver=driver, max_chunk=max_chunk)
             pinned.append(pool)
             cpu_tensors.append(pool.tensor)
-        gpu_tensors = [t.tensor for t in kv_caches.tensors]
         common: dict[str, Any] = {
-            "gpu_tensors": gpu_tensors,
-            "cpu_tensors": cpu_tensors,
-            "group_data_refs": kv_caches.group_data_refs,
             "block_size_factor": block_size_factor,
             "driver": driver,
             **options,
         }
-        store = CudaOffloadingHandler(gpu_to_cpu=True, **common)
-        load = CudaOffloadingHandler(gpu_to_cpu=False, **common)
+        store = CudaOffloadingHandler(kv_caches, cpu_tensors, gpu_to_cpu=True, **common)
+        load = CudaOffloadingHandler(kv_caches, cpu_tensors, gpu_to_cpu=False, **common)
     except BaseException:
         for pool in pinned:
             pool.close()

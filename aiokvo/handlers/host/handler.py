@@ -1,0 +1,267 @@
+"""The host backend: copies between CPU tensors on a dispatch thread.
+
+Here the "GPU" KV caches are CPU tensors, so the backend runs on any machine;
+it is what tests, CI and the demo use without a device.
+
+A transfer is validated and planned on the caller's thread (the handler's
+:class:`~aiokvo.plan.TransferPlanner`), so bad input raises from
+``transfer_async`` before anything is enqueued. Each handler owns one
+:class:`~aiokvo.handlers.host.dispatch.DispatchThread`, which runs its
+transfers strictly in submission order (FIFO per direction) and may split
+one transfer's tensors across ``copy_threads - 1`` helper threads. Tiny
+transfers are dominated by per-transfer bookkeeping, not by the copy, so it
+is kept to a few microseconds: spec-independent checks and page views are
+cached and one event object per transfer carries completion and timing.
+
+By default every page is one ``np.void`` element, which numpy copies holding
+the GIL. With ``copy_threads > 1``, a transfer of ``split_min_bytes`` or more
+views its pages as int64 word rows (when they are whole, aligned words on
+both sides), which numpy copies with the GIL released, and splits its
+tensors between the dispatch thread and the helpers. That is faster while
+the event loop waits, but each share must win the GIL back, which a busy
+loop delays (the GIL convoy), so it is opt-in. numpy is used rather than
+torch's ``index_copy_``, which was slower on the same rows
+(``benchmarks/results_host.md``).
+
+``copy_fn`` replaces the copy (for fault injection or instrumentation): it
+is called with a transfer's copies (with splits, once per share, on the
+thread that runs the share). Whatever it raises fails that transfer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+
+import numpy as np
+import torch
+
+from aiokvo._util import check_int
+from aiokvo.errors import ConfigError, LayoutError
+from aiokvo.handlers.base import SingleDirectionHandler, Submission
+from aiokvo.handlers.host.copies import (
+    CopyFn,
+    HostCopy,
+    apply_host_copies,
+    host_copy_steps,
+    page_voids,
+    page_words,
+    run_start,
+    split_by_bytes,
+)
+from aiokvo.handlers.host.dispatch import DispatchEvent, DispatchThread, Work
+from aiokvo.handlers.task import DEFAULT_MAX_BUFFERED
+from aiokvo.layout import CanonicalKVCaches
+from aiokvo.plan import TransferPlanner
+from aiokvo.runtime.poller import PollerMode
+from aiokvo.specs import TransferSpec
+
+__all__ = [
+    "DEFAULT_COPY_THREADS",
+    "INLINE_AFTER",
+    "SPLIT_MIN_BYTES",
+    "HostOffloadingHandler",
+]
+
+DEFAULT_COPY_THREADS = 1
+"""Threads sharing one transfer's copies, dispatch thread included. One keeps the
+copy holding the GIL, which is safe next to a busy event loop; two copy 32 KiB
+pages ~1.4x faster while the loop is idle but can starve when it is busy (the
+GIL convoy measured in ``benchmarks/results_host.md``), so it is opt-in."""
+
+INLINE_AFTER = 0.002
+"""Seconds a queued copy may wait for the dispatch thread before the loop runs
+it itself. An idle loop lets the thread start within tens of microseconds, so
+this only fires when the thread is starved (a CPU-busy loop) or the machine is
+badly oversubscribed; either way the copy is done, in order, exactly once."""
+
+SPLIT_MIN_BYTES = 1 << 20
+"""With ``copy_threads > 1``, transfers of at least this many bytes are split
+across threads; smaller ones run whole on the dispatch thread, as with one
+thread: handing a share to a helper costs tens of microseconds, more than
+copying a few hundred KiB, and tiny transfers must stay cheap."""
+
+
+class HostOffloadingHandler(SingleDirectionHandler):
+    """One direction between CPU-resident KV caches and a CPU block pool.
+
+    ``cpu_tensors[i]`` is the pool for canonical tensor ``i`` of
+    ``kv_caches``: shape ``(num_cpu_blocks, page_size_bytes * block_size_factor)``,
+    int8, contiguous. ``gpu_to_cpu`` picks the direction (stores when true,
+    loads when false). ``copy_threads`` threads share each transfer's
+    copies of ``split_min_bytes`` or more; ``copy_fn`` replaces the copy. A
+    copy still queued ``inline_after`` seconds after submission is run on
+    the event loop when the poller polls it (the dispatch thread is
+    starved); ``None`` keeps every copy off the loop, as do ``copy_fn`` and
+    split copies. ``dispatcher`` runs the copies (default: a thread of the
+    handler's own, named ``aiokvo-host-g2c`` or ``-c2g``); the handler shuts
+    down only a dispatcher it made.
+    """
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        cpu_tensors: Sequence[torch.Tensor],
+        *,
+        block_size_factor: int,
+        gpu_to_cpu: bool,
+        poller_mode: PollerMode | None = None,
+        max_buffered: int = DEFAULT_MAX_BUFFERED,
+        copy_threads: int = DEFAULT_COPY_THREADS,
+        copy_fn: CopyFn | None = None,
+        inline_after: float | None = INLINE_AFTER,
+        split_min_bytes: int = SPLIT_MIN_BYTES,
+        dispatcher: DispatchThread | None = None,
+    ) -> None:
+        super().__init__(
+            ("GPU", "CPU") if gpu_to_cpu else ("CPU", "GPU"),
+            poller_mode=poller_mode,
+            max_buffered=max_buffered,
+        )
+        block_size_factor = check_int("block_size_factor", block_size_factor, minimum=1)
+        _check_pool(kv_caches, cpu_tensors, block_size_factor)
+        self.copy_threads = check_int("copy_threads", copy_threads, minimum=1)
+        self.split_min_bytes = check_int("split_min_bytes", split_min_bytes, minimum=0)
+        if inline_after is not None and (
+            isinstance(inline_after, bool)
+            or not isinstance(inline_after, (int, float))
+            or not inline_after >= 0
+        ):
+            raise ConfigError(f"inline_after must be None or seconds >= 0, got {inline_after!r}")
+        self.inline_after = None if inline_after is None else float(inline_after)
+        self.kv_caches = kv_caches
+        self.cpu_tensors: tuple[torch.Tensor, ...] = tuple(cpu_tensors)
+        self.block_size_factor = block_size_factor
+        self.gpu_to_cpu = gpu_to_cpu
+        gpu = [t.tensor for t in kv_caches.tensors]
+        cpu = list(self.cpu_tensors)
+        src, dst = (gpu, cpu) if gpu_to_cpu else (cpu, gpu)
+        self._planner = TransferPlanner(kv_caches.group_data_refs, src, dst, block_size_factor)
+        self._src_tensors, self._dst_tensors = src, dst
+        self._page_views: dict[tuple[int, int, int, int, bool], tuple[np.ndarray, np.ndarray]] = {}
+        self._copy_fn = copy_fn
+        direction = "g2c" if gpu_to_cpu else "c2g"
+        self._owns_dispatcher = dispatcher is None
+        self._dispatch = dispatcher or DispatchThread(f"aiokvo-host-{direction}")
+        self._helpers = (
+            ThreadPoolExecutor(
+                self.copy_threads - 1, thread_name_prefix=f"aiokvo-host-{direction}-h"
+            )
+            if self.copy_threads > 1
+            else None
+        )
+        self._lane = (type(self).__name__, direction, id(self))
+
+    @property
+    def dispatcher(self) -> DispatchThread:
+        """The thread that runs this handler's copies, in submission order."""
+        return self._dispatch
+
+    def _submit(self, job_id: int, spec: TransferSpec) -> Submission:
+        plan = self._planner.plan(self._check_route(spec))
+        split = self._helpers is not None and plan.total_bytes >= self.split_min_bytes
+        pages = self._pages
+        copies: list[HostCopy] = []
+        src_rows = dst_rows = None  # tensors of one group share their index arrays
+        src_start = dst_start = None
+        for c in plan.row_copies():
+            if c.src_rows is not src_rows:
+                src_rows, src_start = c.src_rows, run_start(c.src_rows)
+            if c.dst_rows is not dst_rows:
+                dst_rows, dst_start = c.dst_rows, run_start(c.dst_rows)
+            src_view, dst_view = pages(
+                c.tensor_idx, plan.src_factor, plan.dst_factor, c.nbytes, split
+            )
+            copies.append(
+                HostCopy(src_view, dst_view, c.src_rows, c.dst_rows, src_start, dst_start)
+            )
+        # Only the handler's own copy is ever run on the loop: a split copy waits on
+        # helper threads, and a caller's copy_fn may block on anything.
+        own = not split and self._copy_fn is None
+        event = DispatchEvent(self._dispatch, self.inline_after if own else None)
+        self._dispatch.submit(self._work(copies, split), event)
+        return Submission(
+            source=event, transfer_size=plan.total_bytes, lane=self._lane, elapsed=event.elapsed
+        )
+
+    def _work(self, copies: list[HostCopy], split: bool) -> Work:
+        """The dispatch job for one transfer's copies."""
+        if split:
+            return partial(_call_once, self._copy_in_parallel, copies)
+        if self._copy_fn is None:
+            return partial(host_copy_steps, copies)
+        return partial(_call_once, self._copy_fn, copies)
+
+    async def _close_backend(self) -> None:
+        # Everything in flight has finished, so the threads are idle: joining is instant.
+        if self._owns_dispatcher:
+            self._dispatch.shutdown()
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=True)
+
+    def _copy_in_parallel(self, copies: Sequence[HostCopy]) -> None:
+        helpers = self._helpers
+        assert helpers is not None
+        run = self._copy_fn or apply_host_copies
+        if len(copies) < 2:
+            run(copies)
+            return
+        shares = split_by_bytes(copies, self.copy_threads)
+        futures: list[Future[None]] = [helpers.submit(run, s) for s in shares[1:]]
+        error: BaseException | None = None
+        try:
+            run(shares[0])
+        except BaseException as exc:
+            error = exc
+        for future in futures:  # wait for every share, even after a failure
+            error = error or future.exception()
+        if error is not None:
+            raise error
+
+    def _pages(
+        self, tensor_idx: int, src_factor: int, dst_factor: int, nbytes: int, words: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Source and destination tensor ``tensor_idx`` as ``nbytes`` pages along axis 0
+        (cached), the same kind on both sides: int64 words if ``words`` and both sides
+        allow it (the copy then releases the GIL), else ``np.void`` pages (it holds it)."""
+        key = (tensor_idx, src_factor, dst_factor, nbytes, words)
+        views = self._page_views.get(key)
+        if views is None:
+            src, dst = self._src_tensors[tensor_idx], self._dst_tensors[tensor_idx]
+            src_words = page_words(src, src_factor, nbytes) if words else None
+            dst_words = page_words(dst, dst_factor, nbytes) if words else None
+            if src_words is not None and dst_words is not None:
+                views = (src_words, dst_words)
+            else:
+                views = (page_voids(src, src_factor, nbytes), page_voids(dst, dst_factor, nbytes))
+            self._page_views[key] = views
+        return views
+
+
+def _call_once(function: CopyFn, copies: Sequence[HostCopy]) -> Iterator[object]:
+    """``function(copies)`` as a one-step job (it runs when the step is taken)."""
+    return map(function, (copies,))
+
+
+def _check_pool(
+    kv_caches: CanonicalKVCaches, cpu_tensors: Sequence[torch.Tensor], factor: int
+) -> None:
+    if kv_caches.is_cuda or any(t.device.type != "cpu" for t in cpu_tensors):
+        raise LayoutError("the host backend copies between CPU tensors only")
+    if len(cpu_tensors) != len(kv_caches.tensors):
+        raise LayoutError(
+            f"{len(kv_caches.tensors)} KV tensors need as many CPU pools, got {len(cpu_tensors)}"
+        )
+    for i, (kv, cpu) in enumerate(zip(kv_caches.tensors, cpu_tensors, strict=True)):
+        want = kv.page_size_bytes * factor
+        if cpu.dtype != torch.int8 or cpu.ndim != 2 or not cpu.is_contiguous():
+            raise LayoutError(
+                f"CPU pool {i} must be a contiguous 2-D int8 tensor, "
+                f"got {cpu.dtype} shape {tuple(cpu.shape)}"
+            )
+        if cpu.shape[1] != want:
+            raise LayoutError(
+                f"CPU pool {i} rows must be page_size_bytes {kv.page_size_bytes} x "
+                f"block_size_factor {factor} = {want} bytes, got {cpu.shape[1]}"
+            )
