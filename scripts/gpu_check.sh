@@ -83,7 +83,7 @@ have_test_deps || log "WARNING: pytest/pytest-asyncio still missing; the tests c
 # ---------------------------------------------------------------------- tests
 log "running CUDA tests (fake, driver, gpu)"
 timeout 240 "$PY" -m pytest -p no:cacheprovider -q -rs \
-    tests/test_cuda_gpu.py tests/test_cuda_driver.py tests/test_cuda_fake.py \
+    tests/handlers/cuda tests/device \
     --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.txt"
 TESTS_RC=${PIPESTATUS[0]}
 log "tests exit code: $TESTS_RC"

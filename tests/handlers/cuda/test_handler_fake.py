@@ -606,7 +606,7 @@ def test_shared_region_pins_through_host_registration(fake: FakeDriver, tmp_path
 def test_bench_cuda_runs_end_to_end_on_the_fake_driver(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cuda.py"
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_cuda.py"
     spec = importlib.util.spec_from_file_location("bench_cuda", path)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)

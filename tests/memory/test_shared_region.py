@@ -33,7 +33,7 @@ from aiokvo.memory import shared_region
 from aiokvo.memory.shared_region import SharedOffloadRegion
 
 SHM = Path("/dev/shm")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PAGE = shared_region._PAGE
 
 # Closing a region while a view is alive only warns; here every test but the one

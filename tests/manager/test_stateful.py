@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-from _seed_reference import RefCPUManager, RefFilterReused
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -33,6 +32,7 @@ from aiokvo.manager.base import OffloadingManager
 from aiokvo.manager.cpu import CPUOffloadingManager
 from aiokvo.manager.reuse import FilterReusedOffloadingManager
 from aiokvo.specs import CPULoadStoreSpec, LoadStoreSpec, ReqContext
+from tests.manager._seed_reference import RefCPUManager, RefFilterReused
 
 CTX = ReqContext()
 KEYS = [make_offload_key(b"blk%d" % n, n % 2) for n in range(7)]

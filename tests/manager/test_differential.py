@@ -14,7 +14,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from _seed_reference import RefCPUManager, RefFilterReused
 
 from aiokvo.errors import AiokvoError
 from aiokvo.keys import OffloadKey, make_offload_key
@@ -22,6 +21,7 @@ from aiokvo.manager.base import OffloadingManager
 from aiokvo.manager.cpu import CPUOffloadingManager
 from aiokvo.manager.reuse import FilterReusedOffloadingManager
 from aiokvo.specs import CPULoadStoreSpec, LoadStoreSpec, PrepareStoreOutput, ReqContext
+from tests.manager._seed_reference import RefCPUManager, RefFilterReused
 
 CTX = ReqContext()
 STEPS = 2000

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -23,8 +22,6 @@ from aiokvo.errors import (
 from aiokvo.handlers import CpuGpuHandlers, make_cpu_gpu_handlers
 from aiokvo.handlers.host import (
     SPLIT_MIN_BYTES,
-    DispatchEvent,
-    DispatchThread,
     HostCopy,
     HostOffloadingHandler,
     apply_host_copies,
@@ -452,113 +449,6 @@ async def test_cancel_storm_reports_each_result_once_and_leaks_nothing() -> None
     fresh = [make_offload_key(b"new" + j.to_bytes(8, "big"), 0) for j in range(jobs)]
     out = manager.prepare_store(fresh, ctx)
     assert out is not None and len(out.evicted_keys) == jobs
-
-
-def test_telemetry_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "examples" / "telemetry.py"
-    spec = importlib.util.spec_from_file_location("aiokvo_telemetry_demo", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    assert module.main(["--seconds", "1.2", "--pool-blocks", "16"]) == 0
-    out = capsys.readouterr().out
-    assert out.count("hit ") >= 2  # at least one per-second line and the final one
-    final = out.split("final:")[1]
-    assert int(final.split("stored")[1].split()[0]) > 0
-    assert int(final.split("evicted")[1].split()[0]) > 0
-
-
-# -- the demo (make demo) ------------------------------------------------------------
-
-
-def _load_quickstart() -> object:
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
-    spec = importlib.util.spec_from_file_location("aiokvo_quickstart_demo", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while executing
-    spec.loader.exec_module(module)
-    return module
-
-
-# Few prefixes and little concurrency: plenty of reloads in every run, whatever the timing.
-DEMO_ARGS = ["--requests", "60", "--prefixes", "4", "--layers", "2", "--gpu-blocks", "96",
-             "--cpu-blocks", "48", "--kv-heads", "2", "--head-dim", "64",
-             "--concurrency", "2"]  # fmt: skip
-
-
-def test_quickstart_demo_verifies_every_reload(capsys: pytest.CaptureFixture[str]) -> None:
-    demo = _load_quickstart()
-    assert demo.main(DEMO_ARGS) == 0  # type: ignore[attr-defined]
-    out = capsys.readouterr().out
-    loaded = int(out.split("blocks loaded")[1].split()[0])
-    assert loaded > 0
-    assert f"verified          {loaded}/{loaded}" in out
-    assert "requests          60 in" in out
-    assert int(out.split("blocks evicted")[1].split()[0]) > 0  # the pool was too small
-
-
-def test_quickstart_demo_exits_non_zero_on_corrupt_reload(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    def corrupting(copies: Sequence[HostCopy]) -> None:
-        apply_host_copies(copies)
-        for copy in copies:  # damage the first page written by every copy
-            if copy.dst_rows.size:
-                row = int(copy.dst_rows[0])
-                page = copy.dst[row : row + 1].view(np.uint8).reshape(-1)  # either page view
-                page[0] = (int(page[0]) + 1) % 256  # not an involution: stays wrong on reload
-
-    demo = _load_quickstart()
-    assert demo.main(DEMO_ARGS, copy_fn=corrupting) == 1  # type: ignore[attr-defined]
-    assert "FAILED" in capsys.readouterr().out
-
-
-def test_dispatch_thread_runs_jobs_in_order_and_restarts_after_idling() -> None:
-    dispatch = DispatchThread("test-dispatch", idle_timeout=0.02)
-    ran: list[int] = []
-    failed = RuntimeError("boom")
-
-    def job(n: int) -> Callable[[], tuple[()]]:
-        def record() -> tuple[()]:
-            if n == 3:
-                raise failed
-            ran.append(n)
-            return ()
-
-        return record
-
-    for burst in range(2):  # the second burst comes after the idle thread has exited
-        events = [DispatchEvent() for _ in range(8)]
-        for n, event in enumerate(events):
-            dispatch.submit(job(n + 10 * burst), event)
-        for event in events[:-1]:
-            with contextlib.suppress(RuntimeError):
-                event.synchronize()
-        events[-1].synchronize()
-        want = [n + 10 * burst for n in range(8) if n + 10 * burst != 3]
-        assert ran[-len(want) :] == want
-        assert all(e.elapsed() is not None for e in events if e is not events[3] or burst)
-        if burst == 0:
-            failed_event = events[3]
-        pause = threading.Event()
-        for _ in range(1000):  # it exits after idle_timeout without work
-            if not dispatch.running:
-                break
-            pause.wait(0.01)
-        assert not dispatch.running
-    with pytest.raises(RuntimeError, match="boom"):
-        failed_event.query()
-    dispatch.shutdown()
-    with pytest.raises(RuntimeError, match="shut down"):
-        dispatch.submit(job(0), DispatchEvent())
 
 
 async def test_many_tiny_transfers_pipelined_are_byte_exact_and_fifo() -> None:

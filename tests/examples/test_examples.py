@@ -1,0 +1,71 @@
+"""The examples run and check what they claim (the README's demo is ``make demo``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+from aiokvo.handlers.host import HostCopy, apply_host_copies
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"aiokvo_example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while executing
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_telemetry_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    module = _load("telemetry")
+    assert module.main(["--seconds", "1.2", "--pool-blocks", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("hit ") >= 2  # at least one per-second line and the final one
+    final = out.split("final:")[1]
+    assert int(final.split("stored")[1].split()[0]) > 0
+    assert int(final.split("evicted")[1].split()[0]) > 0
+
+
+# -- the demo (make demo) ------------------------------------------------------------
+
+
+# Few prefixes and little concurrency: plenty of reloads in every run, whatever the timing.
+DEMO_ARGS = ["--requests", "60", "--prefixes", "4", "--layers", "2", "--gpu-blocks", "96",
+             "--cpu-blocks", "48", "--kv-heads", "2", "--head-dim", "64",
+             "--concurrency", "2"]  # fmt: skip
+
+
+def test_quickstart_demo_verifies_every_reload(capsys: pytest.CaptureFixture[str]) -> None:
+    demo = _load("quickstart")
+    assert demo.main(DEMO_ARGS) == 0
+    out = capsys.readouterr().out
+    loaded = int(out.split("blocks loaded")[1].split()[0])
+    assert loaded > 0
+    assert f"verified          {loaded}/{loaded}" in out
+    assert "requests          60 in" in out
+    assert int(out.split("blocks evicted")[1].split()[0]) > 0  # the pool was too small
+
+
+def test_quickstart_demo_exits_non_zero_on_corrupt_reload(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def corrupting(copies: Sequence[HostCopy]) -> None:
+        apply_host_copies(copies)
+        for copy in copies:  # damage the first page written by every copy
+            if copy.dst_rows.size:
+                row = int(copy.dst_rows[0])
+                page = copy.dst[row : row + 1].view(np.uint8).reshape(-1)  # either page view
+                page[0] = (int(page[0]) + 1) % 256  # not an involution: stays wrong on reload
+
+    demo = _load("quickstart")
+    assert demo.main(DEMO_ARGS, copy_fn=corrupting) == 1
+    assert "FAILED" in capsys.readouterr().out
