@@ -48,6 +48,13 @@ from typing import ClassVar, Literal, Protocol, TypeAlias, get_args, runtime_che
 
 from aiokvo._util import check_choice
 from aiokvo.errors import ConfigError, PollerClosedError
+from aiokvo.runtime.lanes import (
+    CompletionCallback,
+    Entry,
+    LaneWaiter,
+    NotifiedLane,
+    assist,
+)
 from aiokvo.runtime.sources import CompletionSource
 
 __all__ = [
@@ -61,8 +68,6 @@ __all__ = [
 ]
 
 PollerMode: TypeAlias = Literal["spin", "adaptive", "thread"]
-CompletionCallback: TypeAlias = Callable[[BaseException | None], None]
-"""Called on the loop thread with ``None`` on success or the source's error."""
 
 DEFAULT_POLLER_MODE: PollerMode = "thread"
 """Chosen from ``benchmarks/bench_async.py``; see ``docs/async.md``."""
@@ -92,7 +97,6 @@ class NotifyingSource(CompletionSource, Protocol):
 _MODES: tuple[PollerMode, ...] = get_args(PollerMode)
 _BACKOFF_STEP = 0.001  # asyncio cannot sleep for less than about a millisecond
 
-_Entry: TypeAlias = tuple[CompletionSource, CompletionCallback]
 
 
 def resolve_poller_mode(mode: str | None = None) -> PollerMode:
@@ -106,170 +110,10 @@ def resolve_poller_mode(mode: str | None = None) -> PollerMode:
     return check_choice(origin, mode, _MODES)
 
 
-def _assist(source: CompletionSource) -> bool:
-    """Let ``source`` do overdue work on the loop thread; True if it did any."""
-    assist: Callable[[], bool] | None = getattr(source, "assist", None)
-    return assist is not None and assist()
-
-
 def _report_callback_error(loop: asyncio.AbstractEventLoop, error: BaseException) -> None:
     loop.call_exception_handler(
         {"message": "aiokvo poller: completion callback raised", "exception": error}
     )
-
-
-class _LaneWaiter:
-    """One thread that waits, in order, on the sources of one lane."""
-
-    def __init__(self, poller: EventPoller, name: str) -> None:
-        self._poller = poller
-        self._cond = threading.Condition(threading.Lock())
-        self._queue: deque[_Entry] = deque()
-        self._alive = False
-        self._closed = False
-        self._name = name
-
-    def push(self, entry: _Entry) -> None:
-        with self._cond:
-            if self._closed:
-                raise PollerClosedError("the event poller is closed")
-            self._queue.append(entry)
-            if not self._alive:
-                self._alive = True
-                thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                thread.start()
-            else:
-                self._cond.notify()
-
-    def is_empty(self) -> bool:
-        """True when nothing is queued or on its way to the loop."""
-        with self._cond:
-            return not self._queue
-
-    def close(self) -> list[_Entry]:
-        """Stop the thread and hand back what it had not started on."""
-        with self._cond:
-            self._closed = True
-            pending = list(self._queue)
-            self._queue.clear()
-            self._cond.notify()
-        return pending
-
-    def _stopped(self) -> bool:
-        return self._closed
-
-    def poll_from_loop(self, loop: asyncio.AbstractEventLoop) -> bool:
-        """On the loop thread: hand over every finished head; True while work remains.
-
-        The waiter thread needs the GIL to deliver, and a loop busy running
-        Python can starve it for seconds (see docs/async.md); this fallback,
-        run on a 1 ms timer while sources are pending, bounds the delay. It
-        pops under the same lock as the thread and schedules with
-        ``call_soon``, so batches keep their order and each source is
-        delivered once.
-        """
-        with self._cond:
-            if self._closed:
-                return False
-            batch: list[tuple[CompletionCallback, BaseException | None]] = []
-            self._pop_finished(batch)
-            if batch:
-                loop.call_soon(self._poller._run_batch, batch)
-            return bool(self._queue)
-
-    def _pop_finished(self, batch: list[tuple[CompletionCallback, BaseException | None]]) -> None:
-        """Move finished heads, in order, from the queue to ``batch`` (lock held)."""
-        while self._queue:
-            source, callback = self._queue[0]
-            error: BaseException | None = None
-            try:
-                if not source.query():
-                    break
-            except BaseException as exc:  # the source's failure is the result
-                error = exc
-            self._queue.popleft()
-            batch.append((callback, error))
-
-    def _run(self) -> None:
-        timeout = self._poller.idle_thread_timeout
-        while True:
-            with self._cond:
-                if not self._queue and not self._closed:
-                    self._cond.wait(timeout)
-                if self._closed or not self._queue:
-                    self._alive = False
-                    return
-                head = self._queue[0]
-            source, callback = head
-            error: BaseException | None = None
-            try:
-                source.synchronize()
-            except BaseException as exc:  # the source's failure is the result
-                error = exc
-            batch: list[tuple[CompletionCallback, BaseException | None]] = [(callback, error)]
-            with self._cond:
-                if self._stopped():  # closed while we were blocked
-                    self._alive = False
-                    return
-                if self._queue and self._queue[0] is head:
-                    self._queue.popleft()
-                else:  # the loop's fallback poll delivered it already
-                    batch.clear()
-                # Whatever else already finished rides on the same wake-up.
-                self._pop_finished(batch)
-                # Hand over while still holding the lock, so that a completion the
-                # loop finds already done (see ``is_empty``) cannot overtake this batch.
-                if batch and not self._poller._deliver_threadsafe(batch):
-                    self._alive = False
-                    return
-
-
-class _NotifiedLane:
-    """A lane of :class:`NotifyingSource` s: drained on the loop when one says it is done."""
-
-    __slots__ = ("_poller", "lane", "queue", "wake_pending")
-
-    def __init__(self, poller: EventPoller, lane: Hashable) -> None:
-        self._poller = poller
-        self.lane = lane
-        self.queue: deque[_Entry] = deque()
-        self.wake_pending = False
-
-    def wake(self) -> None:
-        """Called by a completing source, on any thread."""
-        # One scheduled drain covers every source that finished before it runs:
-        # a source is complete before it calls wake, and drain clears the flag
-        # before it looks at any source, so no completion is missed.
-        if self.wake_pending:
-            return
-        self.wake_pending = True
-        if not self._poller._call_threadsafe(self.drain):
-            self.wake_pending = False
-
-    def poll_from_loop(self) -> bool:
-        """On the loop's fallback timer: deliver what finished, doing overdue work
-        first; True while work remains. Covers a completing thread starved of the
-        GIL, which can neither do the work nor send its wake-up."""
-        if self.queue:
-            _assist(self.queue[0][0])
-        self.drain()
-        return bool(self.queue)
-
-    def drain(self) -> None:
-        self.wake_pending = False
-        queue = self.queue
-        while queue:
-            source, callback = queue[0]
-            error: BaseException | None = None
-            try:
-                if not source.query():
-                    break
-            except BaseException as exc:
-                error = exc
-            queue.popleft()
-            self._poller._invoke(callback, error)
-        if not queue:
-            self._poller._forget_notified(self)
 
 
 class EventPoller:
@@ -310,14 +154,14 @@ class EventPoller:
         self._loop_ref = weakref.ref(loop)
         self._closed = False
         # Polled lanes (spin and adaptive), keyed by (mode, lane).
-        self._lanes: dict[tuple[str, Hashable], deque[_Entry]] = {}
+        self._lanes: dict[tuple[str, Hashable], deque[Entry]] = {}
         self._spin_lanes = 0
         self._tick_handle: asyncio.Handle | asyncio.TimerHandle | None = None
         self._tick_is_timer = False
         self._spin_until = 0.0
-        self._waiters: dict[Hashable, _LaneWaiter] = {}
+        self._waiters: dict[Hashable, LaneWaiter] = {}
         self._fallback_handle: asyncio.TimerHandle | None = None
-        self._notified: dict[Hashable, _NotifiedLane] = {}
+        self._notified: dict[Hashable, NotifiedLane] = {}
         with EventPoller._registry_lock:
             existing = EventPoller._by_loop.get(loop)
             if existing is not None and not existing._closed:
@@ -405,7 +249,7 @@ class EventPoller:
             if notify is not None:
                 notified = self._notified.get(lane)
                 if notified is None:
-                    notified = self._notified[lane] = _NotifiedLane(self, lane)
+                    notified = self._notified[lane] = NotifiedLane(self, lane)
                 notified.queue.append((source, callback))
                 notify(notified.wake)
                 if self._fallback_handle is None and notified.queue:
@@ -459,7 +303,7 @@ class EventPoller:
         if self._fallback_handle is not None:
             self._fallback_handle.cancel()
             self._fallback_handle = None
-        pending: list[_Entry] = []
+        pending: list[Entry] = []
         for queue in self._lanes.values():
             pending.extend(queue)
         self._lanes.clear()
@@ -502,14 +346,14 @@ class EventPoller:
         if pending:
             self._fallback_handle = loop.call_later(_FALLBACK_POLL, self._fallback_poll)
 
-    def _waiter_for(self, lane: Hashable) -> _LaneWaiter:
+    def _waiter_for(self, lane: Hashable) -> LaneWaiter:
         waiter = self._waiters.get(lane)
         if waiter is None:
-            waiter = self._waiters[lane] = _LaneWaiter(self, f"aiokvo-waiter-{lane!r}")
+            waiter = self._waiters[lane] = LaneWaiter(self, f"aiokvo-waiter-{lane!r}")
         return waiter
 
-    def _close_threads(self) -> list[_Entry]:
-        pending: list[_Entry] = []
+    def _close_threads(self) -> list[Entry]:
+        pending: list[Entry] = []
         for waiter in list(self._waiters.values()):
             pending.extend(waiter.close())
         self._waiters.clear()
@@ -535,7 +379,7 @@ class EventPoller:
             if loop is not None:
                 _report_callback_error(loop, exc)
 
-    def _forget_notified(self, notified: _NotifiedLane) -> None:
+    def _forget_notified(self, notified: NotifiedLane) -> None:
         if self._notified.get(notified.lane) is notified:
             del self._notified[notified.lane]
 
@@ -570,7 +414,7 @@ class EventPoller:
                 source, callback = queue[0]
                 error: BaseException | None = None
                 try:
-                    if not source.query() and not (_assist(source) and source.query()):
+                    if not source.query() and not (assist(source) and source.query()):
                         break
                 except BaseException as exc:
                     error = exc
