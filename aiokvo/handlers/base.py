@@ -37,7 +37,7 @@ __all__ = [
 
 
 class OffloadingHandler(FinishedResults, AsyncResource, ABC):
-    """Moves blocks in one or more directions; see DESIGN.md "Handlers and worker".
+    """Moves blocks in one or more directions; see docs/async.md.
 
     Subclasses implement :meth:`transfer_async`, :meth:`wait` and
     :meth:`aclose`, and call :meth:`_report` once per finished transfer;
