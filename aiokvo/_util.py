@@ -8,13 +8,14 @@ argument and shows the value, before any state changes.
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Collection
 from types import TracebackType
 from typing import Self, TypeVar
 
 from aiokvo.errors import AiokvoError, ConfigError
 
-__all__ = ["AsyncResource", "check_choice", "check_int"]
+__all__ = ["AsyncResource", "check_choice", "check_int", "check_name"]
 
 _T = TypeVar("_T")
 
@@ -78,6 +79,20 @@ def check_choice(
         pass
     listed = ", ".join(repr(c) for c in choices)
     raise error(f"{name} must be one of {listed}, got {value!r}")
+
+
+_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
+
+
+def check_name(name: str, value: object, *, error: type[AiokvoError] = ConfigError) -> str:
+    """``value`` if it is safe inside a file name (1-200 of ``[A-Za-z0-9._-]``, no
+    leading ``.``), else ``error``: no separators, no ``..``, no hidden files."""
+    if isinstance(value, str) and _NAME.fullmatch(value):
+        return value
+    raise error(
+        f"{name} must be 1-200 characters from [A-Za-z0-9._-] not starting with '.', "
+        f"got {value!r}"
+    )
 
 
 def _bounds(minimum: int | None, maximum: int | None) -> str:

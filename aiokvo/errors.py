@@ -21,6 +21,7 @@ __all__ = [
     "InvalidSpecError",
     "PollerClosedError",
     "LayoutError",
+    "SharedFileError",
     "SharedRegionError",
     "SharedRegionLayoutError",
     "SharedRegionTimeoutError",
@@ -31,6 +32,8 @@ __all__ = [
     "UnknownKeyError",
     "UnknownPolicyError",
     "UnknownRouteError",
+    "UnsafeFileError",
+    "UnsafeSharedRegionError",
 ]
 
 
@@ -130,7 +133,20 @@ class PollerClosedError(AiokvoError, RuntimeError):
     """The event poller closed while a completion it watched was still pending."""
 
 
-class SharedRegionError(AiokvoError):
+class SharedFileError(AiokvoError):
+    """A file that processes share (a region, its lock, a tier's index) cannot be used."""
+
+
+class UnsafeFileError(SharedFileError):
+    """A shared file or its directory could be reached or changed by someone else.
+
+    It is a symbolic link, belongs to another uid, grants group or other
+    permissions, has more than one name, or is not the kind of file expected.
+    Nothing is opened through it, written to it or removed.
+    """
+
+
+class SharedRegionError(SharedFileError):
     """A shared offload region could not be created, attached, used or released."""
 
 
@@ -140,3 +156,7 @@ class SharedRegionTimeoutError(SharedRegionError, TimeoutError):
 
 class SharedRegionLayoutError(SharedRegionError, ValueError):
     """A shared region's layout does not fit the request (live owner disagrees, slice full)."""
+
+
+class UnsafeSharedRegionError(SharedRegionError, UnsafeFileError):
+    """A shared region's file, lock or directory is unsafe (see :class:`UnsafeFileError`)."""

@@ -1,7 +1,13 @@
-"""Host memory for the CPU tier: the shared offload region and CUDA pinning."""
+"""Host memory for the CPU tier: the shared offload region, CUDA pinning, and the
+file-ownership rules (:mod:`aiokvo.memory.ownership`) that shared files follow."""
 
 from aiokvo.memory.pinned import DEFAULT_MAX_CHUNK, HostRegistration, PinnedHostTensor
-from aiokvo.memory.shared_region import DEFAULT_DIRECTORY, PrefaultMethod, SharedOffloadRegion
+from aiokvo.memory.shared_region import (
+    DEFAULT_DIRECTORY,
+    PrefaultMethod,
+    SharedOffloadRegion,
+    default_directory,
+)
 
 __all__ = [
     "DEFAULT_DIRECTORY",
@@ -10,4 +16,5 @@ __all__ = [
     "PinnedHostTensor",
     "PrefaultMethod",
     "SharedOffloadRegion",
+    "default_directory",
 ]

@@ -5,10 +5,13 @@ holds the pages of all ranks side by side, so rank ``r``'s bytes for block
 ``b`` start at ``b * row_stride + r * page_bytes_per_rank``. A rank carves its
 per-layer views out of its own slice of every row with :meth:`create_next_view`.
 
-The file starts with a one-page header (see ``docs/memory.md``) that names the
-creator's pid, a generation number and the layout. A creation lock (``flock``
-on a sidecar ``.lock`` file) serialises creating, attaching and replacing, so
-a file left by a crashed creator is noticed and replaced, never reused.
+The file lives in a per-user directory (``/dev/shm/aiokvo-<uid>``, mode 0700)
+unless the caller names one, and starts with a one-page header (see
+``docs/memory.md``) naming the creator and the layout. Who owns the file, how
+it is opened (never through a symlink, always checked for owner and mode),
+locked, judged stale and removed are the rules of
+:mod:`aiokvo.memory.ownership`; this module adds the layout, the mapping and
+the views.
 """
 
 from __future__ import annotations
@@ -17,14 +20,12 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
-import fcntl
 import functools
 import gc
 import importlib
 import logging
 import mmap
 import os
-import re
 import stat
 import struct
 import time
@@ -37,20 +38,40 @@ from typing import Any, Literal, Protocol, Self
 
 import torch
 
-from aiokvo._util import AsyncResource, check_int
+from aiokvo._util import AsyncResource, check_int, check_name
 from aiokvo.errors import (
     ConfigError,
     SharedRegionError,
     SharedRegionLayoutError,
     SharedRegionTimeoutError,
+    UnsafeSharedRegionError,
+)
+from aiokvo.memory.ownership import (
+    HEADER_VERSION,
+    FileLock,
+    FileState,
+    OwnerHeader,
+    check_directory,
+    open_private,
+    private_directory,
+    release_created_file,
 )
 
-__all__ = ["DEFAULT_DIRECTORY", "PrefaultMethod", "SharedOffloadRegion"]
+__all__ = [
+    "DEFAULT_DIRECTORY",
+    "REGION_MAGIC",
+    "PrefaultMethod",
+    "SharedOffloadRegion",
+    "default_directory",
+]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DIRECTORY = "/dev/shm"
-"""Where regions live unless a caller passes ``directory=``."""
+"""The tmpfs that holds each user's region directory (see :func:`default_directory`)."""
+
+REGION_MAGIC = b"AIOKVOSR"
+"""The :class:`~aiokvo.memory.ownership.OwnerHeader` magic of a region file."""
 
 PrefaultMethod = Literal["madvise", "touch", "none"]
 
@@ -58,8 +79,6 @@ PrefaultMethod = Literal["madvise", "touch", "none"]
 _MADV_POPULATE_WRITE: int = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _PAGE = mmap.ALLOCATIONGRANULARITY  # mmap offsets must be multiples of this
 _HEADER_BYTES = _PAGE  # the data area starts on the next page boundary
-_INSTANCE_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
-_LOCK_POLL_S = 0.005
 _CLOSE_LOCK_TIMEOUT_S = 2.0
 
 
@@ -71,13 +90,10 @@ class _Registration(Protocol):
     def unregister(self) -> Any: ...
 
 
-# --------------------------------------------------------------------------- header
+# --------------------------------------------------------------------------- layout
 
-_STATE_CREATING = 1
-_STATE_READY = 2
-_MAGIC = b"AIOKVOSR"
-_VERSION = 1
-_HEADER = struct.Struct("<8sII qqQ QQQQQ Q16s")
+# header bytes, data bytes, num_blocks, num_workers, page_bytes_per_rank: the header's payload
+_LAYOUT = struct.Struct("<QQQQQ")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,39 +108,14 @@ class _Layout:
     def file_bytes(self) -> int:
         return self.header_bytes + _round_up(self.data_bytes, _PAGE)
 
-
-@dataclasses.dataclass(frozen=True)
-class _Header:
-    """The region file's first bytes; the rest of the first page is zero."""
-
-    state: int
-    owner_pid: int
-    owner_start_ticks: int  # /proc/<pid>/stat starttime; tells a reused pid apart
-    generation: int
-    layout: _Layout
-    pid_namespace: int  # pids are only comparable inside one namespace
-    boot_id: bytes  # a file from an earlier boot has a dead owner, whatever its pid
-
     def pack(self) -> bytes:
-        lay = self.layout
-        return _HEADER.pack(
-            _MAGIC, _VERSION, self.state,
-            self.owner_pid, self.owner_start_ticks, self.generation,
-            lay.header_bytes, lay.data_bytes, lay.num_blocks, lay.num_workers,
-            lay.page_bytes_per_rank, self.pid_namespace, self.boot_id,
-        )  # fmt: skip
+        return _LAYOUT.pack(*dataclasses.astuple(self))
 
     @classmethod
-    def unpack(cls, raw: bytes) -> _Header | None:
-        """The header in ``raw``, or None if ``raw`` is not one of ours."""
-        if len(raw) < _HEADER.size:
+    def unpack(cls, payload: bytes) -> _Layout | None:
+        if len(payload) != _LAYOUT.size:
             return None
-        fields = _HEADER.unpack_from(raw)
-        if fields[0] != _MAGIC or fields[1] != _VERSION:
-            return None
-        (_, _, state, pid, start, generation, hdr, data, blocks, workers, page, ns, boot) = fields
-        layout = _Layout(hdr, data, blocks, workers, page)
-        return cls(state, pid, start, generation, layout, ns, boot)
+        return cls(*_LAYOUT.unpack(payload))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,147 +133,43 @@ class _NotReady:
     owner_pid: int
 
 
-# ------------------------------------------------------------------ process identity
-
-
-def _boot_id() -> bytes:
-    try:
-        text = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        return bytes.fromhex(text.replace("-", ""))[:16].ljust(16, b"\0")
-    except (OSError, ValueError):
-        return bytes(16)
-
-
-def _pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """``(state letter, start time in clock ticks)`` of ``pid``, or None if unknown."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = raw.rpartition(")")[2].split()  # the command name may contain spaces
-    try:
-        return fields[0], int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def _owner_alive(header: _Header) -> bool:
-    """Whether the process that created a region file may still be running.
-
-    When in doubt (another pid namespace) the answer is yes: a live peer's
-    file must never be replaced.
-    """
-    ours = _boot_id()
-    if bytes(16) not in (header.boot_id, ours) and header.boot_id != ours:
-        return False
-    if header.pid_namespace != _pid_namespace():
-        return True
-    if header.owner_pid <= 0:
-        return False
-    try:
-        os.kill(header.owner_pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, belongs to someone else
-    info = _proc_stat(header.owner_pid)
-    if info is None:
-        return True
-    state, start_ticks = info
-    if state in ("Z", "X"):  # killed, not yet reaped by its parent
-        return False
-    return not (header.owner_start_ticks and start_ticks != header.owner_start_ticks)
-
-
-def _own_start_ticks() -> int:
-    info = _proc_stat(os.getpid())
-    return info[1] if info else 0
-
-
-# ------------------------------------------------------------------ creation lock
-
-
-def _acquire_lock(lock_path: Path, deadline: float) -> int | None:
-    """An fd holding ``flock(LOCK_EX)`` on ``lock_path``, or None at the deadline.
-
-    The creator unlinks the lock file when it closes, so after locking we check
-    that the path still names the inode we locked; if not, start again.
-    """
-    while True:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        os.close(fd)
-                        return None
-                    time.sleep(_LOCK_POLL_S)
-            if _same_file(fd, lock_path):
-                return fd
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
-
-
-def _release_lock(fd: int) -> None:
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    os.close(fd)
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        on_disk = os.stat(path)
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(fd)
-    return (on_disk.st_dev, on_disk.st_ino) == (mine.st_dev, mine.st_ino)
-
-
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def default_directory() -> Path:
+    """``/dev/shm/aiokvo-<euid>``: where regions live unless ``directory=`` is given.
+
+    Created (mode 0700) on first use and checked every time: a symbolic
+    link, another uid's directory or one open to others is refused with
+    :class:`~aiokvo.errors.UnsafeSharedRegionError`. Other users cannot
+    create, replace or link anything inside it.
+    """
+    return private_directory(
+        Path(DEFAULT_DIRECTORY), f"aiokvo-{os.geteuid()}", error=UnsafeSharedRegionError
+    )
 
 
 # ------------------------------------------------------------------ the region
 
 
-def _release_file(
-    fd: int, path: Path, lock_path: Path, identity: tuple[int, int], unlink: bool, pid: int
-) -> None:
-    """Close the region's fd; the creator also removes the file and its lock.
+def _release_file(fd: int, path: Path, lock_path: Path, unlink: bool, pid: int) -> None:
+    """The creator removes the file and its lock; everyone closes the region's fd.
 
     Runs from :meth:`SharedOffloadRegion.close` or, if the region was never
     closed, when it is garbage-collected or the interpreter exits. A forked
-    child shares the creator's object but not its duty to unlink.
+    child shares the creator's object but not its duty to unlink. The fd
+    stays open until the file is removed, so its inode cannot be reused by a
+    successor's file in the meantime.
     """
-    with contextlib.suppress(OSError):
-        os.close(fd)
-    if not unlink or os.getpid() != pid:
-        return
-    lock_fd = _acquire_lock(lock_path, time.monotonic() + _CLOSE_LOCK_TIMEOUT_S)
     try:
-        successor = False
-        with contextlib.suppress(FileNotFoundError):
-            st = os.stat(path)
-            successor = (st.st_dev, st.st_ino) != identity  # a replacement: not ours
-            if not successor:
-                os.unlink(path)
-        if lock_fd is not None and not successor:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(lock_path)
+        if unlink and os.getpid() == pid:
+            release_created_file(
+                path, lock_path, fd, timeout=_CLOSE_LOCK_TIMEOUT_S, error=UnsafeSharedRegionError
+            )
     finally:
-        if lock_fd is not None:
-            _release_lock(lock_fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 class SharedOffloadRegion(AsyncResource):
@@ -292,6 +179,12 @@ class SharedOffloadRegion(AsyncResource):
     first to arrive creates the file (``O_CREAT | O_EXCL``, mode 0600); the
     others attach, waiting up to ``timeout`` seconds for it to be ready. The
     creator removes the file on :meth:`close`; the others never do.
+
+    The file is ``aiokvo_offload_<instance_id>.mmap`` in ``directory``
+    (default: :func:`default_directory`, a private per-user directory). A
+    directory others could change, a symbolic link, or a file that is not
+    this uid's and owner-only raises
+    :class:`~aiokvo.errors.UnsafeSharedRegionError`; nothing is mapped.
 
     ``rank=None`` maps the whole region without a slice of its own (for a
     reader that needs every rank's rows, see :meth:`rows`).
@@ -306,7 +199,7 @@ class SharedOffloadRegion(AsyncResource):
         page_bytes_per_rank: int,
         rank: int | None,
         total_size_bytes: int | None = None,
-        directory: str | os.PathLike[str] = DEFAULT_DIRECTORY,
+        directory: str | os.PathLike[str] | None = None,
         timeout: float = 30.0,
         prefault: bool = True,
     ) -> None:
@@ -315,11 +208,7 @@ class SharedOffloadRegion(AsyncResource):
         page_bytes_per_rank = check_int("page_bytes_per_rank", page_bytes_per_rank, minimum=1)
         if rank is not None:
             rank = check_int("rank", rank, minimum=0, maximum=num_workers - 1)
-        if not isinstance(instance_id, str) or not _INSTANCE_ID.fullmatch(instance_id):
-            raise ConfigError(
-                "instance_id must be 1-200 characters from [A-Za-z0-9._-] not starting "
-                f"with '.', got {instance_id!r}"
-            )
+        instance_id = check_name("instance_id", instance_id)
         if not timeout >= 0:
             raise ConfigError(f"timeout must be >= 0 seconds, got {timeout!r}")
         row_stride = page_bytes_per_rank * num_workers
@@ -338,11 +227,9 @@ class SharedOffloadRegion(AsyncResource):
         self._rank = rank
         self._row_stride = row_stride
         self._timeout = float(timeout)
-        directory = Path(directory)
-        if not directory.is_dir():
-            raise ConfigError(f"directory {str(directory)!r} does not exist or is not a directory")
-        self._path = directory / f"aiokvo_offload_{instance_id}.mmap"
-        self._lock_path = directory / f"aiokvo_offload_{instance_id}.lock"
+        self._directory = _checked_directory(directory)
+        self._path = self._directory / f"aiokvo_offload_{instance_id}.mmap"
+        self._lock_path = self._directory / f"aiokvo_offload_{instance_id}.lock"
         self._views: list[torch.Tensor] = []
         self._next_offset = 0 if rank is None else rank * page_bytes_per_rank
         self._registration: _Registration | None = None
@@ -350,11 +237,9 @@ class SharedOffloadRegion(AsyncResource):
         self._prefault_method: PrefaultMethod = "none"
 
         fd, self._creator, self._generation = self._open_file()
-        st = os.fstat(fd)
         self._finalizer = weakref.finalize(
-            self, _release_file, fd, self._path, self._lock_path,
-            (st.st_dev, st.st_ino), self._creator, os.getpid(),
-        )  # fmt: skip
+            self, _release_file, fd, self._path, self._lock_path, self._creator, os.getpid()
+        )
         try:
             self._mmap = mmap.mmap(
                 fd,
@@ -395,11 +280,17 @@ class SharedOffloadRegion(AsyncResource):
             raise
 
     def _open_file(self) -> tuple[int, bool, int]:
-        """``(fd, is_creator, generation)``: create, attach or replace, under the lock."""
+        """``(fd, is_creator, generation)``: create, attach or replace, under the lock.
+
+        A failed attempt removes the lock file unless a region file remains
+        whose creator will (so a failed open leaves nothing behind).
+        """
         deadline = time.monotonic() + self._timeout
         while True:
-            lock_fd = _acquire_lock(self._lock_path, deadline)
-            if lock_fd is None:
+            lock = FileLock.acquire(
+                self._lock_path, deadline=deadline, error=UnsafeSharedRegionError
+            )
+            if lock is None:
                 raise SharedRegionTimeoutError(
                     f"timed out after {self._timeout}s waiting for the creation lock "
                     f"{self._lock_path} of {self._path} (expected size "
@@ -407,8 +298,10 @@ class SharedOffloadRegion(AsyncResource):
                 )
             try:
                 attempt = self._create_or_attach()
-            finally:
-                _release_lock(lock_fd)
+            except BaseException:
+                lock.release(unlink=not self._region_file_remains())
+                raise
+            lock.release()
             if isinstance(attempt, _Opened):
                 return attempt.fd, attempt.creator, attempt.generation
             if time.monotonic() >= deadline:
@@ -419,6 +312,12 @@ class SharedOffloadRegion(AsyncResource):
                 )
             time.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
 
+    def _region_file_remains(self) -> bool:
+        try:
+            return stat.S_ISREG(os.lstat(self._path).st_mode)
+        except OSError:
+            return False
+
     def _create_or_attach(self) -> _Opened | _NotReady:
         """One attempt, with the lock held."""
         generation = 1
@@ -428,28 +327,30 @@ class SharedOffloadRegion(AsyncResource):
             except FileExistsError:
                 pass
             try:
-                fd = os.open(self._path, os.O_RDWR | os.O_CLOEXEC)
+                fd = open_private(self._path, how="open", error=UnsafeSharedRegionError)
             except FileNotFoundError:
                 continue
             try:
                 st = os.fstat(fd)
-                self._check_ownership(st)
-                header = _Header.unpack(os.pread(fd, _HEADER.size, 0))
-                if header is not None and _owner_alive(header):
-                    if header.layout != self._layout:
+                header, raw = OwnerHeader.read(fd, magic=REGION_MAGIC, payload_bytes=_LAYOUT.size)
+                if header is None:
+                    self._check_version(raw)
+                if header is not None and header.owner.is_alive():
+                    layout = _Layout.unpack(header.payload)
+                    if layout != self._layout:
+                        found = "an unreadable layout" if layout is None else _describe(layout)
                         raise SharedRegionLayoutError(
-                            f"{self._path} is in use by live pid {header.owner_pid} with layout "
-                            f"{_describe(header.layout)}, but this rank asked for "
-                            f"{_describe(self._layout)}"
+                            f"{self._path} is in use by live pid {header.owner.pid} with layout "
+                            f"{found}, but this rank asked for {_describe(self._layout)}"
                         )
-                    if header.state == _STATE_READY and st.st_size >= self._layout.file_bytes:
+                    if header.state == FileState.READY and st.st_size >= self._layout.file_bytes:
                         attached, fd = fd, -1
                         return _Opened(attached, False, header.generation)
-                    return _NotReady(st.st_size, header.owner_pid)  # creator still busy
+                    return _NotReady(st.st_size, header.owner.pid)  # creator still busy
                 log.warning(
                     "replacing stale shared region %s (%s)", self._path,
                     "no valid header" if header is None
-                    else f"owner pid {header.owner_pid} is gone, generation {header.generation}",
+                    else f"owner pid {header.owner.pid} is gone, generation {header.generation}",
                 )  # fmt: skip
                 generation = header.generation + 1 if header else 1
                 os.unlink(self._path)
@@ -458,23 +359,31 @@ class SharedOffloadRegion(AsyncResource):
                     os.close(fd)
         raise SharedRegionError(f"{self._path} keeps reappearing while being replaced")
 
+    def _check_version(self, raw: bytes) -> None:
+        """A header of another format version: its owner cannot be judged, so presume it alive."""
+        version = OwnerHeader.version_of(raw, magic=REGION_MAGIC)
+        if version is not None and version != HEADER_VERSION:
+            raise SharedRegionError(
+                f"{self._path} has a version {version} header and this aiokvo reads version "
+                f"{HEADER_VERSION}; its owner cannot be checked, so it is presumed alive. "
+                "Remove the file by hand if no engine uses it"
+            )
+
     def _create(self, generation: int) -> int:
         """Make the file: header (creating), size, header (ready). Raises FileExistsError."""
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = open_private(self._path, how="create", error=UnsafeSharedRegionError)
         try:
             self._check_room()
-            os.fchmod(fd, 0o600)  # whatever the umask
-            header = _Header(
-                _STATE_CREATING, os.getpid(), _own_start_ticks(), generation,
-                self._layout, _pid_namespace(), _boot_id(),
-            )  # fmt: skip
-            os.pwrite(fd, header.pack(), 0)
+            header = OwnerHeader.create(
+                REGION_MAGIC, generation=generation, payload=self._layout.pack()
+            )
+            header.write(fd)
             os.ftruncate(fd, self._layout.file_bytes)
-            os.pwrite(fd, dataclasses.replace(header, state=_STATE_READY).pack(), 0)
+            header.ready().write(fd)
         except BaseException:
-            os.close(fd)
             with contextlib.suppress(OSError):
-                os.unlink(self._path)
+                os.unlink(self._path)  # before closing: the name still means our inode
+            os.close(fd)
             raise
         return fd
 
@@ -486,15 +395,6 @@ class SharedOffloadRegion(AsyncResource):
             raise SharedRegionError(
                 f"{self._path.parent} has {free} bytes free, too few for a "
                 f"{self._layout.file_bytes}-byte region {self._path}"
-            )
-
-    def _check_ownership(self, st: os.stat_result) -> None:
-        if not stat.S_ISREG(st.st_mode):
-            raise SharedRegionError(f"{self._path} exists but is not a regular file")
-        if st.st_uid != os.geteuid():
-            raise SharedRegionError(
-                f"{self._path} belongs to uid {st.st_uid}, not to this process's uid "
-                f"{os.geteuid()}; refusing to map it"
             )
 
     # ---------------------------------------------------------------- prefault
@@ -686,6 +586,11 @@ class SharedOffloadRegion(AsyncResource):
         return self._path
 
     @property
+    def directory(self) -> Path:
+        """The directory holding the region file and its lock file."""
+        return self._directory
+
+    @property
     def is_creator(self) -> bool:
         """True in the process that made the file (and will remove it)."""
         return self._creator
@@ -738,6 +643,16 @@ class SharedOffloadRegion(AsyncResource):
             f"<SharedOffloadRegion {self._path} rank={self._rank} {state} "
             f"generation={self._generation} {_describe(self._layout)}>"
         )
+
+
+def _checked_directory(directory: str | os.PathLike[str] | None) -> Path:
+    if directory is None:
+        return default_directory()
+    path = Path(directory)
+    if not path.is_dir():
+        raise ConfigError(f"directory {str(path)!r} does not exist or is not a directory")
+    check_directory(path, error=UnsafeSharedRegionError)
+    return path
 
 
 def _describe(layout: _Layout) -> str:

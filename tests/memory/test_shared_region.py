@@ -7,8 +7,10 @@ import asyncio
 import dataclasses
 import fcntl
 import json
+import mmap
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -28,13 +30,16 @@ from aiokvo.errors import (
     SharedRegionError,
     SharedRegionLayoutError,
     SharedRegionTimeoutError,
+    UnsafeFileError,
+    UnsafeSharedRegionError,
 )
 from aiokvo.memory import shared_region
-from aiokvo.memory.shared_region import SharedOffloadRegion
+from aiokvo.memory.ownership import FileState, OwnerHeader, OwnerIdentity
+from aiokvo.memory.shared_region import REGION_MAGIC, SharedOffloadRegion, default_directory
 
-SHM = Path("/dev/shm")
+SHM = default_directory()
 REPO = Path(__file__).resolve().parents[2]
-PAGE = shared_region._PAGE
+PAGE = mmap.ALLOCATIONGRANULARITY
 
 # Closing a region while a view is alive only warns; here every test but the one
 # about that case must close cleanly.
@@ -66,17 +71,21 @@ def paths(iid: str) -> tuple[Path, Path]:
     return SHM / f"aiokvo_offload_{iid}.mmap", SHM / f"aiokvo_offload_{iid}.lock"
 
 
-def read_header(path: Path) -> shared_region._Header:
-    header = shared_region._Header.unpack(path.read_bytes()[: shared_region._HEADER.size])
+def read_header(path: Path) -> OwnerHeader:
+    header = OwnerHeader.unpack(path.read_bytes()[:PAGE], magic=REGION_MAGIC)
     assert header is not None
     return header
 
 
 def forge_header(path: Path, **changes: Any) -> None:
+    """Rewrite the header: ``owner_*`` changes go to its owner, the rest to the header."""
+    header = read_header(path)
+    owner = {k.removeprefix("owner_"): v for k, v in changes.items() if k.startswith("owner_")}
+    rest = {k: v for k, v in changes.items() if not k.startswith("owner_")}
+    forged = dataclasses.replace(header, owner=dataclasses.replace(header.owner, **owner), **rest)
     fd = os.open(path, os.O_RDWR)
     try:
-        forged = dataclasses.replace(read_header(path), **changes)
-        os.pwrite(fd, forged.pack(), 0)
+        forged.write(fd)
     finally:
         os.close(fd)
 
@@ -122,8 +131,8 @@ CREATOR_CHILD = textwrap.dedent(
 
 def wait_until_reaped_or_zombie(pid: int) -> None:
     for _ in range(2000):
-        info = shared_region._proc_stat(pid)
-        if info is None or info[0] in ("Z", "X"):
+        identity = OwnerIdentity.of_process(pid)
+        if identity is None or not identity.is_alive():
             return
         time.sleep(0.005)
     raise AssertionError(f"pid {pid} did not die")
@@ -168,7 +177,7 @@ def test_two_processes_share_interleaved_rows_then_killed_creator_is_replaced(ii
             wait_until_reaped_or_zombie(child.pid)  # a zombie counts as dead
             with region(iid, num_blocks=nb, page_bytes_per_rank=pbr, rank=1) as fresh:
                 assert fresh.is_creator and fresh.generation == 2
-                assert read_header(mmap_path).owner_pid == os.getpid()
+                assert read_header(mmap_path).owner.pid == os.getpid()
                 assert int(fresh.rows().abs().sum()) == 0, "a replaced file starts zeroed"
             assert not mmap_path.exists() and not lock_path.exists()
         finally:
@@ -178,9 +187,9 @@ def test_two_processes_share_interleaved_rows_then_killed_creator_is_replaced(ii
 # ----------------------------------------------------------------- stale files
 
 
-@pytest.mark.parametrize("state", [shared_region._STATE_READY, shared_region._STATE_CREATING])
+@pytest.mark.parametrize("state", [FileState.READY, FileState.CREATING])
 def test_dead_pid_in_header_is_replaced_and_old_creator_leaves_replacement(
-    iid: str, state: int
+    iid: str, state: FileState
 ) -> None:
     mmap_path, lock_path = paths(iid)
     old = region(iid)
@@ -201,7 +210,7 @@ def test_dead_pid_in_header_is_replaced_and_old_creator_leaves_replacement(
 def test_reused_pid_with_other_start_time_is_stale(iid: str) -> None:
     mmap_path, _ = paths(iid)
     with region(iid) as old:
-        start = read_header(mmap_path).owner_start_ticks
+        start = read_header(mmap_path).owner.start_ticks
         assert start > 0
         forge_header(mmap_path, owner_start_ticks=start + 1)  # our pid, someone else's start
         with region(iid, rank=1) as new:
@@ -212,7 +221,7 @@ def test_reused_pid_with_other_start_time_is_stale(iid: str) -> None:
 def test_file_from_an_earlier_boot_is_stale(iid: str) -> None:
     mmap_path, _ = paths(iid)
     with region(iid):
-        forge_header(mmap_path, boot_id=b"\x01" * 16)
+        forge_header(mmap_path, owner_boot_id=b"\x01" * 16)
         with region(iid, rank=1) as new:
             assert new.is_creator and new.generation == 2
 
@@ -230,7 +239,7 @@ def test_owner_in_another_pid_namespace_is_presumed_alive(iid: str) -> None:
     mmap_path, _ = paths(iid)
     with region(iid) as first:
         dead_pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
-        forge_header(mmap_path, owner_pid=dead_pid, pid_namespace=first.generation + 12345)
+        forge_header(mmap_path, owner_pid=dead_pid, owner_pid_namespace=first.generation + 12345)
         with region(iid, rank=1) as second:  # cannot judge the pid, so attach
             assert not second.is_creator and second.generation == 1
         with pytest.raises(SharedRegionLayoutError):  # and never replace it
@@ -250,11 +259,181 @@ def test_live_owner_with_other_layout_is_an_error_not_a_replacement(iid: str) ->
         assert read_header(mmap_path).generation == 1
 
 
-def test_file_owned_by_another_uid_is_refused(iid: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_header_of_another_format_version_is_presumed_alive(iid: str) -> None:
+    mmap_path, _ = paths(iid)
     with region(iid):
-        monkeypatch.setattr(os, "geteuid", lambda: 4242)
-        with pytest.raises(SharedRegionError, match="not to this process's uid 4242"):
+        raw = bytearray(mmap_path.read_bytes()[:PAGE])
+        raw[8:12] = (1).to_bytes(4, "little")  # version 1: the format before ownership.py
+        mmap_path.write_bytes(bytes(raw) + mmap_path.read_bytes()[PAGE:])
+        with pytest.raises(SharedRegionError, match="version 1 header") as info:
             region(iid, rank=1)
+        assert "presumed alive" in str(info.value)
+        assert mmap_path.read_bytes()[8:12] == (1).to_bytes(4, "little")  # not replaced
+
+
+# ----------------------------------------------------------------- a hostile local user
+
+OTHER_UID = 4242
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+
+
+def assert_nothing_left(iid: str, directory: Path = SHM) -> None:
+    left = sorted(p.name for p in directory.iterdir() if iid in p.name)
+    assert left == [], f"a failed open left {left} behind"
+
+
+def test_symlink_at_the_lock_path_is_never_followed(iid: str, tmp_path: Path) -> None:
+    _, lock_path = paths(iid)
+    target = tmp_path / "root-only" / "created-through-the-link"
+    target.parent.mkdir(mode=0o700)
+    lock_path.symlink_to(target)
+    try:
+        with pytest.raises(UnsafeSharedRegionError, match="symbolic link") as info:
+            region(iid)
+        assert str(lock_path) in str(info.value)
+        assert isinstance(info.value, UnsafeFileError)
+        assert not target.exists(), "the open followed the link"
+        assert paths(iid)[0].exists() is False
+        assert lock_path.is_symlink(), "a link we did not make is not ours to remove"
+    finally:
+        lock_path.unlink()
+
+
+def test_symlink_at_the_region_path_never_attaches_to_another_pool(iid: str) -> None:
+    other = f"{iid}-a"
+    mmap_path, lock_path = paths(iid)
+    with region(other) as engine_a:
+        engine_a.create_next_view(64).fill_(7)
+        mmap_path.symlink_to(engine_a.path)
+        try:
+            with pytest.raises(UnsafeSharedRegionError, match="symbolic link"):
+                region(iid, rank=1)
+            assert set(engine_a.rows()[:, :64].flatten().tolist()) == {7}
+            assert not lock_path.exists(), "a failed open leaves no lock file"
+        finally:
+            mmap_path.unlink()
+    assert_nothing_left(iid)
+
+
+def test_dangling_symlink_at_the_region_path_creates_nothing(iid: str, tmp_path: Path) -> None:
+    mmap_path, _ = paths(iid)
+    target = tmp_path / "would-be-created"
+    mmap_path.symlink_to(target)
+    try:
+        with pytest.raises(UnsafeSharedRegionError, match="symbolic link"):
+            region(iid)
+        assert not target.exists()
+    finally:
+        mmap_path.unlink()
+    assert_nothing_left(iid)
+
+
+def test_region_file_loosened_to_0666_is_refused(iid: str) -> None:
+    with region(iid) as creator:
+        creator.path.chmod(0o666)
+        with pytest.raises(UnsafeSharedRegionError, match="mode 0666") as info:
+            region(iid, rank=1)
+        assert str(creator.path) in str(info.value)
+        creator.path.chmod(0o600)
+        with region(iid, rank=1) as attached:  # the same file, tightened again: fine
+            assert not attached.is_creator
+
+
+def test_lock_file_loosened_to_0644_is_refused(iid: str) -> None:
+    with region(iid) as creator:
+        lock_path = paths(iid)[1]
+        lock_path.chmod(0o644)
+        with pytest.raises(UnsafeSharedRegionError, match="mode 0644"):
+            region(iid, rank=1)
+        lock_path.chmod(0o600)
+        assert not creator.closed
+
+
+def test_hard_link_at_the_region_path_is_refused(iid: str) -> None:
+    mmap_path, _ = paths(iid)
+    with region(f"{iid}-a") as engine_a:
+        os.link(engine_a.path, mmap_path)
+        try:
+            with pytest.raises(UnsafeSharedRegionError, match="2 hard links"):
+                region(iid, rank=1)
+        finally:
+            mmap_path.unlink()
+
+
+@needs_root
+@pytest.mark.parametrize("which", ["region", "lock"])
+def test_files_of_another_uid_are_refused(iid: str, which: str) -> None:
+    mmap_path, lock_path = paths(iid)
+    with region(iid):
+        os.chown(mmap_path if which == "region" else lock_path, OTHER_UID, OTHER_UID)
+        with pytest.raises(UnsafeSharedRegionError, match=f"belongs to uid {OTHER_UID}"):
+            region(iid, rank=1)
+        os.chown(mmap_path if which == "region" else lock_path, 0, 0)
+
+
+@needs_root
+def test_a_squatted_lock_name_is_refused_and_left_alone(iid: str) -> None:
+    """The denial of service docs/memory.md describes: reported, nothing opened."""
+    _, lock_path = paths(iid)
+    lock_path.write_bytes(b"")
+    lock_path.chmod(0o600)
+    os.chown(lock_path, OTHER_UID, OTHER_UID)
+    with pytest.raises(UnsafeSharedRegionError, match=f"belongs to uid {OTHER_UID}"):
+        region(iid)
+    assert lock_path.stat().st_uid == OTHER_UID
+    assert not paths(iid)[0].exists()
+
+
+def test_default_directory_is_private_to_this_uid() -> None:
+    st = os.lstat(SHM)
+    assert Path("/dev/shm") / f"aiokvo-{os.geteuid()}" == SHM
+    assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+    assert stat.S_IMODE(st.st_mode) == 0o700
+
+
+def test_a_directory_others_can_write_without_the_sticky_bit_is_refused(
+    iid: str, tmp_path: Path
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(UnsafeSharedRegionError, match="without the sticky bit"):
+        region(iid, directory=shared)
+    assert list(shared.iterdir()) == []
+    shared.chmod(0o1777)  # like /dev/shm: fine, each file is checked on its own
+    with region(iid, directory=shared) as r:
+        assert r.directory == shared and r.path.parent == shared
+    assert list(shared.iterdir()) == []
+
+
+@needs_root
+def test_a_squatted_default_directory_is_refused(
+    iid: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parent = tmp_path / "shm"
+    parent.mkdir(mode=0o1777)
+    parent.chmod(0o1777)
+    squatted = parent / f"aiokvo-{os.geteuid()}"
+    squatted.mkdir(mode=0o700)
+    os.chown(squatted, OTHER_UID, OTHER_UID)
+    monkeypatch.setattr(shared_region, "DEFAULT_DIRECTORY", str(parent))
+    with pytest.raises(UnsafeSharedRegionError, match=f"belongs to uid {OTHER_UID}"):
+        region(iid)
+    assert list(squatted.iterdir()) == []
+    squatted.rmdir()
+    squatted.symlink_to(tmp_path)
+    with pytest.raises(UnsafeSharedRegionError, match="symbolic link"):
+        region(iid)
+
+
+def test_a_failed_attach_leaves_no_lock_file_behind(iid: str) -> None:
+    """A layout error against a live owner leaves the owner's files, and only those."""
+    mmap_path, lock_path = paths(iid)
+    with region(iid):
+        with pytest.raises(SharedRegionLayoutError):
+            region(iid, rank=1, num_blocks=9)
+        assert mmap_path.exists() and lock_path.exists()  # the live creator's
+    assert_nothing_left(iid)
 
 
 # ----------------------------------------------------------------- waiting
@@ -263,7 +442,7 @@ def test_file_owned_by_another_uid_is_refused(iid: str, monkeypatch: pytest.Monk
 def test_waiting_for_an_unfinished_creator_times_out_with_details(iid: str) -> None:
     mmap_path, _ = paths(iid)
     with region(iid) as owner:
-        forge_header(mmap_path, state=shared_region._STATE_CREATING)
+        forge_header(mmap_path, state=FileState.CREATING)
         started = time.monotonic()
         with pytest.raises(SharedRegionTimeoutError) as info:
             region(iid, rank=1, timeout=0.3)
@@ -279,11 +458,9 @@ def test_waiting_for_an_unfinished_creator_times_out_with_details(iid: str) -> N
 def test_waiter_attaches_once_the_creator_finishes(iid: str) -> None:
     mmap_path, _ = paths(iid)
     with region(iid) as owner:
-        forge_header(mmap_path, state=shared_region._STATE_CREATING)
+        forge_header(mmap_path, state=FileState.CREATING)
         owner.create_next_view(4).fill_(3)
-        finisher = threading.Timer(
-            0.2, forge_header, (mmap_path,), {"state": shared_region._STATE_READY}
-        )
+        finisher = threading.Timer(0.2, forge_header, (mmap_path,), {"state": FileState.READY})
         finisher.start()
         try:
             with region(iid, rank=1, timeout=20.0) as waiter:
@@ -393,6 +570,7 @@ def test_creation_in_a_full_tmpfs_fails_and_leaves_no_file(
     with pytest.raises(SharedRegionError, match="bytes free, too few"):
         region(iid)
     assert not paths(iid)[0].exists()
+    assert not paths(iid)[1].exists(), "a failed open leaves no lock file behind"
 
 
 # ----------------------------------------------------------------- views and layout
@@ -459,7 +637,7 @@ def test_invalid_arguments_name_the_bad_value(
     with pytest.raises(ConfigError) as info:
         region(iid, **overrides)
     assert needle in str(info.value)
-    assert not paths(iid)[0].exists()
+    assert_nothing_left(iid)
 
 
 @pytest.mark.parametrize("bad_id", ["", "a/b", "../x", ".hidden", "x" * 201, "sp ace"])
