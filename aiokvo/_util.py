@@ -90,8 +90,7 @@ def check_name(name: str, value: object, *, error: type[AiokvoError] = ConfigErr
     if isinstance(value, str) and _NAME.fullmatch(value):
         return value
     raise error(
-        f"{name} must be 1-200 characters from [A-Za-z0-9._-] not starting with '.', "
-        f"got {value!r}"
+        f"{name} must be 1-200 characters from [A-Za-z0-9._-] not starting with '.', got {value!r}"
     )
 
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiokvo._util import check_int
+from aiokvo._util import check_int, check_name
 from aiokvo.errors import ConfigError
 
 __all__ = ["EXTRA_CONFIG_KEYS", "OffloadConfig", "UnknownConfigKeyWarning"]
@@ -48,6 +48,9 @@ class OffloadConfig:
     ``kv_bytes_per_block * world_size * block_size_factor`` bytes of CPU memory.
     ``store_threshold`` of 0 or 1 stores everything; 2 or more stores a block
     only once it was looked up that many times (``FilterReusedOffloadingManager``).
+    ``instance_id`` (the engine's id, the same on every rank) makes the CPU
+    pool one shared region that all ``world_size`` ranks map, each as
+    ``rank``; without it every rank has a private pool.
     """
 
     gpu_block_sizes: tuple[int, ...]
@@ -60,6 +63,8 @@ class OffloadConfig:
     max_tracker_size: int = 64_000
     enable_events: bool = False
     world_size: int = 1
+    rank: int = 0
+    instance_id: str | None = None
     spec_name: str = "CPUOffloadingSpec"
     spec_module_path: str | None = None
 
@@ -92,6 +97,11 @@ class OffloadConfig:
         if not isinstance(self.enable_events, bool):
             raise ConfigError(f"enable_events must be a bool, got {self.enable_events!r}")
         self._int_field("world_size", minimum=1)
+        object.__setattr__(
+            self, "rank", check_int("rank", self.rank, minimum=0, maximum=self.world_size - 1)
+        )
+        if self.instance_id is not None:
+            check_name("instance_id", self.instance_id)
         _check_str("spec_name", self.spec_name)
         if self.spec_module_path is not None:
             _check_str("spec_module_path", self.spec_module_path)
@@ -141,6 +151,8 @@ class OffloadConfig:
         hash_block_size: int,
         kv_bytes_per_block: int,
         world_size: int = 1,
+        rank: int = 0,
+        instance_id: str | None = None,
         enable_events: bool = False,
         strict: bool = False,
     ) -> OffloadConfig:
@@ -148,6 +160,8 @@ class OffloadConfig:
 
         Integer values may be given as ints, integral floats (``1e9``) or
         numeric strings (``"8589934592"``), as vLLM's ``int(...)`` accepts.
+        ``world_size``, ``rank`` and ``instance_id`` come from the engine (vLLM's
+        parallel config and engine id), like the KV facts.
         Keys outside :data:`EXTRA_CONFIG_KEYS` are ignored, as vLLM does, but
         reported with :class:`UnknownConfigKeyWarning`; with ``strict=True``
         they raise :class:`~aiokvo.errors.ConfigError` instead.
@@ -178,6 +192,8 @@ class OffloadConfig:
             max_tracker_size=_parse_int("max_tracker_size", extra.get("max_tracker_size", 64_000)),
             enable_events=enable_events,
             world_size=world_size,
+            rank=rank,
+            instance_id=instance_id,
             spec_name=_parse_str("spec_name", extra.get("spec_name", "CPUOffloadingSpec")),
             spec_module_path=(
                 None

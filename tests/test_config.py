@@ -34,6 +34,8 @@ def test_defaults_follow_vllm() -> None:
     assert config.max_tracker_size == 64_000
     assert config.enable_events is False
     assert config.world_size == 1
+    assert config.rank == 0
+    assert config.instance_id is None
     assert config.spec_name == "CPUOffloadingSpec"
     assert config.spec_module_path is None
 
@@ -79,6 +81,13 @@ def test_gpu_block_sizes_list_is_stored_as_tuple() -> None:
         ("enable_events", 1),
         ("world_size", 0),
         ("world_size", False),
+        ("rank", -1),
+        ("rank", 1),  # world_size is 1
+        ("rank", 0.0),
+        ("instance_id", ""),
+        ("instance_id", "../etc"),
+        ("instance_id", ".hidden"),
+        ("instance_id", 7),
         ("spec_name", ""),
         ("spec_name", 3),
         ("spec_module_path", ""),
@@ -112,6 +121,13 @@ def test_offloaded_block_size_must_be_a_multiple() -> None:
 def test_offloaded_block_size_needs_one_gpu_block_size() -> None:
     with pytest.raises(ConfigError, match=r"offloaded_block_size=64 .*\(16, 32\)"):
         make(gpu_block_sizes=(16, 32), offloaded_block_size=64)
+
+
+def test_rank_and_instance_id_name_this_rank_of_a_shared_pool() -> None:
+    config = make(world_size=4, rank=3, instance_id="engine-7.a_b")
+    assert (config.rank, config.instance_id) == (3, "engine-7.a_b")
+    with pytest.raises(ConfigError, match=r"rank must be an int in 0\.\.3, got 4"):
+        make(world_size=4, rank=4)
 
 
 # -- pool sizing ------------------------------------------------------------------
@@ -168,6 +184,8 @@ def test_from_dict_reads_every_vllm_key() -> None:
             "spec_module_path": "my_pkg.specs",
         },
         world_size=2,
+        rank=1,
+        instance_id="engine0",
         enable_events=True,
     )
     assert config == OffloadConfig(
@@ -181,6 +199,8 @@ def test_from_dict_reads_every_vllm_key() -> None:
         max_tracker_size=500,
         enable_events=True,
         world_size=2,
+        rank=1,
+        instance_id="engine0",
         spec_name="MySpec",
         spec_module_path="my_pkg.specs",
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 import textwrap
 import types
@@ -31,6 +33,17 @@ def make_config(**overrides: Any) -> OffloadConfig:
     }
     fields.update(overrides)
     return OffloadConfig(**fields)
+
+
+def mib_caches() -> Any:
+    """KV caches holding the MIB bytes per block that ``make_config`` promises."""
+    import torch
+
+    from aiokvo.layout import CanonicalKVCaches
+
+    return CanonicalKVCaches.from_engine(
+        [torch.zeros((2, MIB // 2), dtype=torch.int8) for _ in "kv"]
+    )
 
 
 # -- fakes standing in for the manager and handler modules --------------------------
@@ -142,7 +155,7 @@ def test_get_manager_wraps_the_reuse_filter_from_threshold_two(
 
 def test_get_handlers_yields_both_directions_built_once(fake_core: dict[str, list[Any]]) -> None:
     spec = CPUOffloadingSpec(make_config(offloaded_block_size=48))
-    kv_caches = object()
+    kv_caches = mib_caches()
     routes = list(spec.get_handlers(kv_caches))
     (pair,) = fake_core["pairs"]
     assert pair.kv_caches is kv_caches
@@ -165,7 +178,7 @@ def test_get_handlers_raises_at_call_time(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setitem(sys.modules, "aiokvo.handlers.routes", module)
     spec = CPUOffloadingSpec(make_config())
     with pytest.raises(ConfigError, match="no tensors"):
-        spec.get_handlers(object())  # not only once iterated
+        spec.get_handlers(mib_caches())  # not only once iterated
 
 
 async def test_aclose_closes_handlers_and_shuts_the_manager_down(
@@ -173,7 +186,7 @@ async def test_aclose_closes_handlers_and_shuts_the_manager_down(
 ) -> None:
     async with CPUOffloadingSpec(make_config(store_threshold=2)) as spec:
         wrapped = spec.get_manager()
-        list(spec.get_handlers(object()))
+        list(spec.get_handlers(mib_caches()))
     (pair,) = fake_core["pairs"]
     (backing,) = fake_core["managers"]
     assert (pair.closes, wrapped.shutdowns, backing.shutdowns) == (1, 1, 1)
@@ -447,3 +460,223 @@ async def test_real_handlers_round_trip_a_block_through_the_spec() -> None:
         assert loaded.success and loaded.transfer_type == ("CPU", "GPU")
     assert torch.equal(layers[0][6], payload)
     assert torch.equal(layers[1][6], -payload)
+
+
+# -- the pool checked against the KV caches -------------------------------------------
+
+
+def test_kv_bytes_per_block_is_checked_against_the_kv_caches(
+    fake_core: dict[str, list[Any]],
+) -> None:
+    # The engine's figure is 32 KiB but its tensors hold 1 MiB per block: the
+    # 2048-block pool sized for a 64 MiB budget would take 2 GiB.
+    spec = CPUOffloadingSpec(make_config(kv_bytes_per_block=32 * 1024))
+    with pytest.raises(ConfigError) as info:
+        spec.get_handlers(mib_caches())
+    message = str(info.value)
+    assert "kv_bytes_per_block=32768" in message and f"hold {MIB} bytes" in message
+    assert f"would take {2048 * MIB} bytes against cpu_bytes_to_use={64 * MIB}" in message
+    assert fake_core["pairs"] == []
+    with pytest.raises(ConfigError, match=r"kv_caches must be CanonicalKVCaches .*, got list"):
+        spec.get_handlers([])
+
+
+def test_a_budget_below_one_block_is_an_error_not_an_empty_pool(
+    fake_core: dict[str, list[Any]],
+) -> None:
+    spec = CPUOffloadingSpec(
+        make_config(cpu_bytes_to_use=3 * MIB, world_size=2, offloaded_block_size=32)
+    )
+    assert spec.num_blocks == 0
+    needle = (
+        f"cpu_bytes_to_use={3 * MIB} is below one offloaded block: kv_bytes_per_block={MIB} "
+        f"x world_size=2 x block_size_factor=2 = {4 * MIB} bytes"
+    )
+    with pytest.raises(ConfigError) as info:
+        spec.get_handlers(mib_caches())
+    assert needle in str(info.value)
+    with pytest.raises(ConfigError, match="is below one offloaded block"):
+        spec.get_manager()
+    assert fake_core == {"managers": [], "reuse": [], "pairs": []}
+
+
+async def test_instance_id_makes_the_pool_one_shared_region(
+    fake_core: dict[str, list[Any]], tmp_path: Path
+) -> None:
+    from aiokvo.memory.shared_region import SharedOffloadRegion
+
+    iid = f"spec-{uuid.uuid4().hex[:10]}"
+    config = make_config(world_size=4, rank=2, instance_id=iid, offloaded_block_size=32)
+    async with CPUOffloadingSpec(config, region_options={"directory": tmp_path}) as spec:
+        list(spec.get_handlers(mib_caches()))
+        (pair,) = fake_core["pairs"]
+        region = pair.kwargs["region"]
+        assert isinstance(region, SharedOffloadRegion) and spec.region is region
+        assert region.path == tmp_path / f"aiokvo_offload_{iid}.mmap"
+        assert (region.num_blocks, region.num_workers, region.rank) == (8, 4, 2)
+        assert region.page_bytes_per_rank == 2 * MIB  # kv_bytes_per_block x factor
+        assert pair.kwargs["num_cpu_blocks"] == config.num_cpu_blocks == 8
+    assert pair.closes == 1 and region.closed and spec.region is None
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_a_region_passed_in_handler_options_is_borrowed(
+    fake_core: dict[str, list[Any]], tmp_path: Path
+) -> None:
+    from aiokvo.memory.shared_region import SharedOffloadRegion
+
+    iid = f"spec-{uuid.uuid4().hex[:10]}"
+    with SharedOffloadRegion(
+        iid, num_blocks=64, num_workers=1, page_bytes_per_rank=MIB, rank=0, directory=tmp_path
+    ) as mine:
+        config = make_config(instance_id=iid)
+        async with CPUOffloadingSpec(config, handler_options={"region": mine}) as spec:
+            list(spec.get_handlers(mib_caches()))
+            assert fake_core["pairs"][0].kwargs["region"] is mine and spec.region is None
+        assert not mine.closed  # the caller opened it, the caller closes it
+
+
+RANK_CHILD = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    import numpy as np, torch
+    from aiokvo.config import OffloadConfig
+    from aiokvo.layout import CanonicalKVCaches
+    from aiokvo.offloading_spec import CPUOffloadingSpec
+    from aiokvo.specs import CPULoadStoreSpec, GPULoadStoreSpec
+
+    iid, directory, backend = sys.argv[1], sys.argv[2], sys.argv[5]
+    rank, factor = int(sys.argv[3]), int(sys.argv[4])
+    GPU_BLOCKS, CPU_BLOCKS, WORLD = 16, 5, 2
+    GPU_IDS = [1, 4, 7, 2, 9, 5, 11, 3, 0][: 3 * factor]
+    CPU_IDS = [3, 0, 4]
+
+    def layers(r):
+        gen = torch.Generator().manual_seed(7 + r)
+        return [torch.randn((GPU_BLOCKS, 2, 3, 8), generator=gen).to(torch.bfloat16),
+                torch.randint(-128, 127, (GPU_BLOCKS, 10), dtype=torch.int8, generator=gen)]
+
+    def expected_slice(r):
+        caches = CanonicalKVCaches.from_engine(layers(r))
+        out = np.zeros((CPU_BLOCKS, caches.page_bytes_per_block * factor), dtype=np.int8)
+        offset = 0
+        for t in caches.tensors:
+            page = t.page_size_bytes
+            for k, gpu in enumerate(GPU_IDS):
+                row, j = CPU_IDS[k // factor], k % factor
+                out[row, offset + j * page: offset + (j + 1) * page] = t.tensor[gpu].numpy()
+            offset += page * factor
+        return out
+
+    def say(**fields):
+        print(json.dumps(fields), flush=True)
+
+    async def main():
+        mine = layers(rank)
+        caches = CanonicalKVCaches.from_engine(mine)
+        page = caches.page_bytes_per_block
+        config = OffloadConfig(
+            gpu_block_sizes=(16,), hash_block_size=16, kv_bytes_per_block=page,
+            cpu_bytes_to_use=CPU_BLOCKS * page * WORLD * factor + 99,
+            offloaded_block_size=16 * factor, world_size=WORLD, rank=rank, instance_id=iid,
+        )
+        options = {"directory": directory, "timeout": 20}
+        if backend == "host":
+            spec = CPUOffloadingSpec(config, region_options=options)
+            (_, _, store), (_, _, load) = spec.get_handlers(caches)
+            region, close = spec.region, spec.aclose
+        else:  # the CUDA backend on the fake driver; it pins the region
+            from aiokvo.device.fake import FakeDriver
+            from aiokvo.handlers.cuda.pair import make_cuda_handlers
+            from aiokvo.memory.shared_region import SharedOffloadRegion
+            fake = FakeDriver()
+            region = SharedOffloadRegion(
+                iid, num_blocks=config.num_cpu_blocks, num_workers=WORLD,
+                page_bytes_per_rank=page * factor, rank=rank, **options)
+            pair = make_cuda_handlers(caches, block_size_factor=factor,
+                                      num_cpu_blocks=config.num_cpu_blocks, region=region,
+                                      driver=fake)
+            store, load = pair.gpu_to_cpu, pair.cpu_to_gpu
+            async def close():
+                await pair.aclose()
+                region.close()
+                fake.close()
+        gpu = GPULoadStoreSpec(GPU_IDS, [len(GPU_IDS)], [0])
+        stored = await store.transfer_async(1, (gpu, CPULoadStoreSpec(CPU_IDS)))
+        say(stored=stored.success, creator=region.is_creator, generation=region.generation,
+            pinned=region.is_pinned)
+        sys.stdin.readline()  # every rank has stored
+
+        width = page * factor
+        def slices_ok():
+            rows = region.rows().numpy()
+            return [bool(np.array_equal(rows[:, r * width:(r + 1) * width], expected_slice(r)))
+                    for r in range(WORLD)]
+        before = slices_ok()
+        for layer in mine:
+            layer.zero_()
+        loaded = await load.transfer_async(2, (CPULoadStoreSpec(CPU_IDS), gpu))
+        fresh = layers(rank)
+        reloaded = all(torch.equal(a[GPU_IDS], b[GPU_IDS]) for a, b in zip(mine, fresh))
+        others_zero = all(not a[[b for b in range(GPU_BLOCKS) if b not in GPU_IDS]].any()
+                          for a in mine)
+        say(loaded=loaded.success, before=before, reloaded=reloaded, others_zero=others_zero)
+        sys.stdin.readline()  # every rank has reloaded
+        say(after=slices_ok())
+        sys.stdin.readline()
+        await close()
+        say(closed=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.parametrize("factor", [1, 2])
+@pytest.mark.parametrize("backend", ["host", "cuda"])
+def test_two_ranks_in_two_processes_share_one_region_as_their_pool(
+    tmp_path: Path, factor: int, backend: str
+) -> None:
+    iid = f"ranks-{uuid.uuid4().hex[:10]}"
+    root = Path(__file__).resolve().parents[1]
+    argv = [sys.executable, "-c", RANK_CHILD, iid, str(tmp_path), "", str(factor), backend]
+    children = []
+    for rank in range(2):
+        argv[5] = str(rank)
+        children.append(
+            subprocess.Popen(
+                list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=root, text=True
+            )
+        )
+
+    def step(message: str | None = None) -> list[dict[str, Any]]:
+        replies = []
+        for child in children:
+            assert child.stdin is not None and child.stdout is not None
+            if message is not None:
+                child.stdin.write(message + "\n")
+                child.stdin.flush()
+            line = child.stdout.readline()
+            assert line, f"rank {children.index(child)} died (exit {child.wait()})"
+            replies.append(json.loads(line))
+        return replies
+
+    try:
+        hello = step()
+        assert [h["stored"] for h in hello] == [True, True]
+        assert sorted(h["creator"] for h in hello) == [False, True]
+        assert {h["generation"] for h in hello} == {1}, "both ranks mapped the same file"
+        assert [h["pinned"] for h in hello] == [backend == "cuda"] * 2
+        checked = step("go")
+        for rank, reply in enumerate(checked):
+            assert reply["loaded"] and reply["reloaded"] and reply["others_zero"], rank
+            assert reply["before"] == [True, True], "each rank's bytes, and only those"
+        final = step("go")
+        assert [r["after"] for r in final] == [[True, True]] * 2, "a reload wrote no pool byte"
+        assert step("close") == [{"closed": True}] * 2
+        assert [child.wait(timeout=30) for child in children] == [0, 0]
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+    assert list(tmp_path.iterdir()) == [], "the creator removed the region and its lock"

@@ -27,6 +27,8 @@ from aiokvo.specs import TransferResult, TransferSpec, TransferType
 if TYPE_CHECKING:
     import torch
 
+    from aiokvo.memory.shared_region import SharedOffloadRegion
+
 __all__ = [
     "CpuGpuHandlers",
     "OffloadingHandler",
@@ -325,16 +327,24 @@ class CpuGpuHandlers(AsyncResource):
 
     ``cpu_tensors[i]`` holds the offloaded blocks of canonical tensor ``i``.
     Every backend builds one of these (``make_host_handlers``,
-    ``make_cuda_handlers``); closing closes both handlers.
+    ``make_cuda_handlers``); closing closes both handlers. ``region`` is the
+    shared region the pool's tensors are views of, if any: the pair borrows
+    it, so closing drops the views (``cpu_tensors`` becomes empty) and leaves
+    the region open for whoever opened it to close.
     """
 
     gpu_to_cpu: OffloadingHandler
     cpu_to_gpu: OffloadingHandler
     cpu_tensors: tuple[torch.Tensor, ...]
+    region: SharedOffloadRegion | None = None
 
     async def aclose(self) -> None:
         """Close both directions (each waits for its copies in flight)."""
         try:
             await self.gpu_to_cpu.aclose()
         finally:
-            await self.cpu_to_gpu.aclose()
+            try:
+                await self.cpu_to_gpu.aclose()
+            finally:
+                if self.region is not None:
+                    self.cpu_tensors = ()  # the region can only unmap once its views are gone

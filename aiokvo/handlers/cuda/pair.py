@@ -1,9 +1,10 @@
-"""Both CUDA directions over one pinned CPU pool, as ``make_cpu_gpu_handlers`` wants them."""
+"""Both CUDA directions over one pinned CPU pool (private, or a shared region's views),
+as ``make_cpu_gpu_handlers`` wants them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -11,8 +12,12 @@ from aiokvo._util import check_int
 from aiokvo.device.driver import CudaDriver, load_driver
 from aiokvo.handlers.base import CpuGpuHandlers
 from aiokvo.handlers.cuda.handler import CudaOffloadingHandler
+from aiokvo.handlers.pool import region_pool
 from aiokvo.layout import CanonicalKVCaches
 from aiokvo.memory.pinned import DEFAULT_MAX_CHUNK, PinnedHostTensor
+
+if TYPE_CHECKING:
+    from aiokvo.memory.shared_region import SharedOffloadRegion
 
 __all__ = ["CudaCpuGpuHandlers", "make_cuda_handlers"]
 
@@ -37,18 +42,24 @@ def make_cuda_handlers(
     *,
     block_size_factor: int,
     num_cpu_blocks: int,
+    region: SharedOffloadRegion | None = None,
     driver: CudaDriver | None = None,
     max_chunk: int = DEFAULT_MAX_CHUNK,
     **options: Any,
 ) -> CudaCpuGpuHandlers:
-    """A store and a load :class:`CudaOffloadingHandler` over a fresh pinned CPU pool.
+    """A store and a load :class:`CudaOffloadingHandler` over one pinned CPU pool.
 
-    The pool has one ``(num_cpu_blocks, page_size_bytes * block_size_factor)``
-    int8 tensor per canonical KV tensor, registered with ``cudaHostRegister``
-    (portable, mapped). ``options`` go to both handlers (``engine``,
-    ``kernel_below_bytes``, ``timing``, ``producer_stream``, ``poller_mode``,
-    ...). Raises :class:`~aiokvo.errors.CudaUnavailableError` without a GPU
-    unless a ``driver`` (e.g. the fake) is given.
+    Without ``region`` the pool has one ``(num_cpu_blocks, page_size_bytes *
+    block_size_factor)`` int8 tensor per canonical KV tensor, registered with
+    ``cudaHostRegister`` (portable, mapped) in chunks of ``max_chunk`` and
+    unpinned when the pair closes. With ``region`` the pool is one view of the
+    shared region per KV tensor (:func:`~aiokvo.handlers.pool.region_pool`),
+    and the whole region is pinned (:meth:`SharedOffloadRegion.pin`, a no-op
+    if it already is) until the region closes; the pair borrows the region.
+    ``options`` go to both handlers (``engine``, ``kernel_below_bytes``,
+    ``timing``, ``producer_stream``, ``poller_mode``, ...). Raises
+    :class:`~aiokvo.errors.CudaUnavailableError` without a GPU unless a
+    ``driver`` (e.g. the fake) is given.
     """
     block_size_factor = check_int("block_size_factor", block_size_factor, minimum=1)
     num_cpu_blocks = check_int("num_cpu_blocks", num_cpu_blocks, minimum=0)
@@ -58,7 +69,17 @@ def make_cuda_handlers(
     pinned: list[PinnedHostTensor] = []
     cpu_tensors: list[torch.Tensor] = []
     try:
-        for tensor in kv_caches.tensors:
+        if region is not None:
+            cpu_tensors.extend(
+                region_pool(
+                    kv_caches,
+                    region,
+                    block_size_factor=block_size_factor,
+                    num_cpu_blocks=num_cpu_blocks,
+                )
+            )
+            region.pin(driver=driver)
+        for tensor in kv_caches.tensors if region is None else ():
             row_bytes = tensor.page_size_bytes * block_size_factor
             if num_cpu_blocks == 0:
                 cpu_tensors.append(torch.empty((0, row_bytes), dtype=torch.int8))
@@ -78,5 +99,9 @@ def make_cuda_handlers(
             pool.close()
         raise
     return CudaCpuGpuHandlers(
-        gpu_to_cpu=store, cpu_to_gpu=load, cpu_tensors=tuple(cpu_tensors), pinned=tuple(pinned)
+        gpu_to_cpu=store,
+        cpu_to_gpu=load,
+        cpu_tensors=tuple(cpu_tensors),
+        region=region,
+        pinned=tuple(pinned),
     )

@@ -7,6 +7,14 @@ page elements, which numpy copies holding the GIL, and 2-D int64 word rows,
 which it copies with the GIL released (so helper threads can share a
 transfer). :func:`host_copy_steps` turns copies into a lazy pass of C-level
 calls, which matters for the GIL convoy (see :mod:`.dispatch`).
+
+A pool row may hold ``factor`` pages. Where rows lie back to back, sub-row
+``b * factor + j`` is simply page ``b * factor + j`` of one evenly spaced
+view. A shared region's rows are strided (a row's stride spans every tensor
+and every rank), so their sub-rows are not evenly spaced: such a tensor is
+split into ``factor`` part tensors (:func:`page_parts`), part ``j`` holding
+sub-row ``j`` of every row, and a copy's pages are grouped by part
+(:func:`split_by_part`).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from aiokvo.errors import LayoutError
 from aiokvo.plan import Int64Array
 
 __all__ = [
@@ -29,10 +38,12 @@ __all__ = [
     "apply_host_copies",
     "host_copy_steps",
     "page_elements",
+    "page_parts",
     "page_voids",
     "page_words",
     "run_start",
     "split_by_bytes",
+    "split_by_part",
 ]
 
 
@@ -123,12 +134,77 @@ def apply_host_copies(copies: Sequence[HostCopy]) -> None:
 _WORD = 8
 
 
-def _page_rows(tensor: torch.Tensor, factor: int, nbytes: int) -> np.ndarray:
-    """``(rows, width)`` int8 as ``(rows * factor, nbytes)`` int8: one row per page."""
+def _evenly_spaced(tensor: torch.Tensor, factor: int) -> bool:
+    """Whether the sub-rows of ``tensor`` (``factor`` per row) are evenly spaced."""
     rows, width = (int(n) for n in tensor.shape)
+    return factor == 1 or rows <= 1 or int(tensor.stride(0)) == width
+
+
+def _page_rows(tensor: torch.Tensor, factor: int, nbytes: int) -> np.ndarray:
+    """``(rows, width)`` int8 as ``(rows * factor, nbytes)`` int8: one row per page.
+
+    Any row stride works with ``factor == 1``; with more pages per row the rows
+    must lie back to back (split strided ones with :func:`page_parts` first).
+    """
+    array = tensor.numpy()  # a view with the tensor's strides, never a copy
     if factor > 1:
-        tensor = tensor.view(rows * factor, width // factor)
-    return tensor.numpy()[:, :nbytes]
+        if not _evenly_spaced(tensor, factor):
+            raise LayoutError(
+                f"rows of stride {tensor.stride(0)} holding {factor} pages of "
+                f"{int(tensor.shape[1]) // factor} bytes are not evenly spaced; "
+                "copy through page_parts()"
+            )
+        rows, width = array.shape
+        sub = width // factor
+        array = np.lib.stride_tricks.as_strided(array, (rows * factor, sub), (sub, 1))
+    return array[:, :nbytes]
+
+
+def page_parts(tensor: torch.Tensor, factor: int) -> tuple[torch.Tensor, ...] | None:
+    """``factor`` views of ``tensor``, part ``j`` holding sub-row ``j`` of every row
+    (``(rows, width // factor)``, the tensor's row stride), or ``None`` where the
+    sub-rows are evenly spaced and the tensor can be paged as it is.
+
+    Sub-row ``b * factor + j`` of the tensor is then row ``b`` of part ``j``.
+    """
+    if _evenly_spaced(tensor, factor):
+        return None
+    sub = int(tensor.shape[1]) // factor
+    return tuple(tensor[:, j * sub : (j + 1) * sub] for j in range(factor))
+
+
+def split_by_part(
+    src_rows: Int64Array, src_parts: int, dst_rows: Int64Array, dst_parts: int
+) -> list[tuple[int, Int64Array, int, Int64Array]]:
+    """One copy's sub-row pairs grouped by the part each side addresses.
+
+    A side split into ``p > 0`` parts addresses sub-row ``k`` as row ``k // p``
+    of part ``k % p``; a side with ``p == 0`` is not split (part ``-1``, rows
+    unchanged). Returns ``(src_part, src_rows, dst_part, dst_rows)`` per part
+    pair that has pages, in part order, each keeping the pages' order.
+    """
+    if src_parts:
+        src_rows, src_part = np.divmod(src_rows, src_parts)
+    else:
+        src_part = np.zeros_like(src_rows)
+    if dst_parts:
+        dst_rows, dst_part = np.divmod(dst_rows, dst_parts)
+    else:
+        dst_part = np.zeros_like(dst_rows)
+    key = src_part * max(dst_parts, 1) + dst_part
+    out: list[tuple[int, Int64Array, int, Int64Array]] = []
+    for k in np.unique(key).tolist():
+        mask = key == k
+        s_part, d_part = divmod(int(k), max(dst_parts, 1))
+        out.append(
+            (
+                s_part if src_parts else -1,
+                np.ascontiguousarray(src_rows[mask]),
+                d_part if dst_parts else -1,
+                np.ascontiguousarray(dst_rows[mask]),
+            )
+        )
+    return out
 
 
 def page_words(tensor: torch.Tensor, factor: int, nbytes: int) -> np.ndarray | None:

@@ -26,6 +26,12 @@ torch's ``index_copy_``, which was slower on the same rows
 ``copy_fn`` replaces the copy (for fault injection or instrumentation): it
 is called with a transfer's copies (with splits, once per share, on the
 thread that runs the share). Whatever it raises fails that transfer.
+
+The CPU pool may be strided: a shared region's views have a row stride that
+spans every tensor and every rank. With ``block_size_factor > 1`` such a
+row's pages are not evenly spaced, so the pool tensor is copied through one
+part per page position (:func:`~aiokvo.handlers.host.copies.page_parts`):
+a transfer then makes up to ``factor`` copies per tensor instead of one.
 """
 
 from __future__ import annotations
@@ -45,15 +51,17 @@ from aiokvo.handlers.host.copies import (
     HostCopy,
     apply_host_copies,
     host_copy_steps,
+    page_parts,
     page_voids,
     page_words,
     run_start,
     split_by_bytes,
+    split_by_part,
 )
 from aiokvo.handlers.host.dispatch import DispatchEvent, DispatchThread, Work
 from aiokvo.handlers.task import DEFAULT_MAX_BUFFERED
 from aiokvo.layout import CanonicalKVCaches
-from aiokvo.plan import TransferPlanner
+from aiokvo.plan import Int64Array, RowCopy, TransferPlan, TransferPlanner
 from aiokvo.runtime.poller import PollerMode
 from aiokvo.specs import TransferSpec
 
@@ -62,6 +70,7 @@ __all__ = [
     "INLINE_AFTER",
     "SPLIT_MIN_BYTES",
     "HostOffloadingHandler",
+    "check_host_caches",
 ]
 
 DEFAULT_COPY_THREADS = 1
@@ -88,7 +97,12 @@ class HostOffloadingHandler(SingleDirectionHandler):
 
     ``cpu_tensors[i]`` is the pool for canonical tensor ``i`` of
     ``kv_caches``: shape ``(num_cpu_blocks, page_size_bytes * block_size_factor)``,
-    int8, contiguous. ``gpu_to_cpu`` picks the direction (stores when true,
+    int8, rows byte-contiguous with any row stride (a shared region's
+    :meth:`~aiokvo.memory.shared_region.SharedOffloadRegion.create_next_view`
+    slices qualify). Both sides must be CPU tensors: KV caches on any other
+    device (``meta``, ``mps``, ``xpu``, ``cuda``) raise
+    :class:`~aiokvo.errors.LayoutError` here, not at every transfer.
+    ``gpu_to_cpu`` picks the direction (stores when true,
     loads when false). ``copy_threads`` threads share each transfer's
     copies of ``split_min_bytes`` or more; ``copy_fn`` replaces the copy. A
     copy still queued ``inline_after`` seconds after submission is run on
@@ -96,7 +110,8 @@ class HostOffloadingHandler(SingleDirectionHandler):
     starved); ``None`` keeps every copy off the loop, as do ``copy_fn`` and
     split copies. ``dispatcher`` runs the copies (default: a thread of the
     handler's own, named ``aiokvo-host-g2c`` or ``-c2g``); the handler shuts
-    down only a dispatcher it made.
+    down only a dispatcher it made. A closed handler holds no reference to
+    either side's tensors, so a region they view can be unmapped.
     """
 
     def __init__(
@@ -139,7 +154,14 @@ class HostOffloadingHandler(SingleDirectionHandler):
         src, dst = (gpu, cpu) if gpu_to_cpu else (cpu, gpu)
         self._planner = TransferPlanner(kv_caches.group_data_refs, src, dst, block_size_factor)
         self._src_tensors, self._dst_tensors = src, dst
-        self._page_views: dict[tuple[int, int, int, int, bool], tuple[np.ndarray, np.ndarray]] = {}
+        # Strided pool rows holding several pages are copied per page position.
+        cpu_parts = [page_parts(t, block_size_factor) for t in cpu]
+        no_parts: list[tuple[torch.Tensor, ...] | None] = [None] * len(gpu)
+        self._src_parts, self._dst_parts = (
+            (no_parts, cpu_parts) if gpu_to_cpu else (cpu_parts, no_parts)
+        )
+        self._split_pool = any(parts is not None for parts in cpu_parts)
+        self._page_views: dict[_ViewKey, tuple[np.ndarray, np.ndarray]] = {}
         self._copy_fn = copy_fn
         direction = "g2c" if gpu_to_cpu else "c2g"
         self._owns_dispatcher = dispatcher is None
@@ -161,6 +183,18 @@ class HostOffloadingHandler(SingleDirectionHandler):
     def _submit(self, job_id: int, spec: TransferSpec) -> Submission:
         plan = self._planner.plan(self._check_route(spec))
         split = self._helpers is not None and plan.total_bytes >= self.split_min_bytes
+        copies = (self._part_copies if self._split_pool else self._copies)(plan, split)
+        # Only the handler's own copy is ever run on the loop: a split copy waits on
+        # helper threads, and a caller's copy_fn may block on anything.
+        own = not split and self._copy_fn is None
+        event = DispatchEvent(self._dispatch, self.inline_after if own else None)
+        self._dispatch.submit(self._work(copies, split), event)
+        return Submission(
+            source=event, transfer_size=plan.total_bytes, lane=self._lane, elapsed=event.elapsed
+        )
+
+    def _copies(self, plan: TransferPlan, split: bool) -> list[HostCopy]:
+        """One copy per tensor (and page size): every pool is paged as it is."""
         pages = self._pages
         copies: list[HostCopy] = []
         src_rows = dst_rows = None  # tensors of one group share their index arrays
@@ -171,18 +205,43 @@ class HostOffloadingHandler(SingleDirectionHandler):
             if c.dst_rows is not dst_rows:
                 dst_rows, dst_start = c.dst_rows, run_start(c.dst_rows)
             src_view, dst_view = pages(
-                c.tensor_idx, plan.src_factor, plan.dst_factor, c.nbytes, split
+                (c.tensor_idx, plan.src_factor, plan.dst_factor, c.nbytes, split, -1, -1)
             )
             copies.append(
                 HostCopy(src_view, dst_view, c.src_rows, c.dst_rows, src_start, dst_start)
             )
-        # Only the handler's own copy is ever run on the loop: a split copy waits on
-        # helper threads, and a caller's copy_fn may block on anything.
-        own = not split and self._copy_fn is None
-        event = DispatchEvent(self._dispatch, self.inline_after if own else None)
-        self._dispatch.submit(self._work(copies, split), event)
-        return Submission(
-            source=event, transfer_size=plan.total_bytes, lane=self._lane, elapsed=event.elapsed
+        return copies
+
+    def _part_copies(self, plan: TransferPlan, split: bool) -> list[HostCopy]:
+        """One copy per tensor and page position of a strided pool's rows."""
+        copies: list[HostCopy] = []
+        for c in plan.row_copies():
+            copies.extend(self._copies_of(c, plan.src_factor, plan.dst_factor, split))
+        return copies
+
+    def _copies_of(
+        self, c: RowCopy, src_factor: int, dst_factor: int, split: bool
+    ) -> list[HostCopy]:
+        src_split = src_factor if self._src_parts[c.tensor_idx] is not None else 0
+        dst_split = dst_factor if self._dst_parts[c.tensor_idx] is not None else 0
+        if not (src_split or dst_split):
+            key = (c.tensor_idx, src_factor, dst_factor, c.nbytes, split, -1, -1)
+            return [self._copy(key, c.src_rows, c.dst_rows)]
+        return [
+            self._copy(
+                (c.tensor_idx, src_factor, dst_factor, c.nbytes, split, s_part, d_part),
+                s_rows,
+                d_rows,
+            )
+            for s_part, s_rows, d_part, d_rows in split_by_part(
+                c.src_rows, src_split, c.dst_rows, dst_split
+            )
+        ]
+
+    def _copy(self, key: _ViewKey, src_rows: Int64Array, dst_rows: Int64Array) -> HostCopy:
+        src_view, dst_view = self._pages(key)
+        return HostCopy(
+            src_view, dst_view, src_rows, dst_rows, run_start(src_rows), run_start(dst_rows)
         )
 
     def _work(self, copies: list[HostCopy], split: bool) -> Work:
@@ -195,10 +254,18 @@ class HostOffloadingHandler(SingleDirectionHandler):
 
     async def _close_backend(self) -> None:
         # Everything in flight has finished, so the threads are idle: joining is instant.
-        if self._owns_dispatcher:
-            self._dispatch.shutdown()
-        if self._helpers is not None:
-            self._helpers.shutdown(wait=True)
+        try:
+            if self._owns_dispatcher:
+                self._dispatch.shutdown()
+            if self._helpers is not None:
+                self._helpers.shutdown(wait=True)
+        finally:
+            # Drop every view of the tensors: a shared region can only be
+            # unmapped once nothing exports its memory.
+            self._page_views.clear()
+            self._src_tensors = self._dst_tensors = []
+            self._src_parts = self._dst_parts = []
+            self.cpu_tensors = ()
 
     def _copy_in_parallel(self, copies: Sequence[HostCopy]) -> None:
         helpers = self._helpers
@@ -219,16 +286,20 @@ class HostOffloadingHandler(SingleDirectionHandler):
         if error is not None:
             raise error
 
-    def _pages(
-        self, tensor_idx: int, src_factor: int, dst_factor: int, nbytes: int, words: bool
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Source and destination tensor ``tensor_idx`` as ``nbytes`` pages along axis 0
-        (cached), the same kind on both sides: int64 words if ``words`` and both sides
-        allow it (the copy then releases the GIL), else ``np.void`` pages (it holds it)."""
-        key = (tensor_idx, src_factor, dst_factor, nbytes, words)
+    def _pages(self, key: _ViewKey) -> tuple[np.ndarray, np.ndarray]:
+        """Source and destination of ``key`` as pages along axis 0 (cached).
+
+        ``key`` is ``(tensor_idx, src_factor, dst_factor, nbytes, words,
+        src_part, dst_part)``: a part >= 0 pages that part of a split pool
+        tensor (one page per row), -1 the whole tensor with its factor. Both
+        sides are the same kind: int64 words if ``words`` and both sides allow
+        it (the copy then releases the GIL), else ``np.void`` pages (it holds it).
+        """
         views = self._page_views.get(key)
         if views is None:
-            src, dst = self._src_tensors[tensor_idx], self._dst_tensors[tensor_idx]
+            idx, src_factor, dst_factor, nbytes, words, src_part, dst_part = key
+            src, src_factor = _side(self._src_tensors, self._src_parts, idx, src_part, src_factor)
+            dst, dst_factor = _side(self._dst_tensors, self._dst_parts, idx, dst_part, dst_factor)
             src_words = page_words(src, src_factor, nbytes) if words else None
             dst_words = page_words(dst, dst_factor, nbytes) if words else None
             if src_words is not None and dst_words is not None:
@@ -239,29 +310,68 @@ class HostOffloadingHandler(SingleDirectionHandler):
         return views
 
 
+_ViewKey = tuple[int, int, int, int, bool, int, int]
+"""``(tensor_idx, src_factor, dst_factor, nbytes, words, src_part, dst_part)``."""
+
+
+def _side(
+    tensors: Sequence[torch.Tensor],
+    parts: Sequence[tuple[torch.Tensor, ...] | None],
+    idx: int,
+    part: int,
+    factor: int,
+) -> tuple[torch.Tensor, int]:
+    """The tensor to page for one side of a copy, and its pages per row."""
+    if part < 0:
+        return tensors[idx], factor
+    split = parts[idx]
+    assert split is not None
+    return split[part], 1
+
+
 def _call_once(function: CopyFn, copies: Sequence[HostCopy]) -> Iterator[object]:
     """``function(copies)`` as a one-step job (it runs when the step is taken)."""
     return map(function, (copies,))
 
 
+def check_host_caches(kv_caches: CanonicalKVCaches) -> None:
+    """Raise :class:`LayoutError` naming the device unless ``kv_caches`` are CPU tensors.
+
+    numpy cannot reach ``meta``, ``mps``, ``xpu`` or ``cuda`` memory, so the
+    host backend refuses them when it is built, not at every transfer.
+    """
+    device = kv_caches.device
+    if device.type != "cpu":
+        raise LayoutError(
+            f"the host backend copies between CPU tensors, but the KV caches are on "
+            f"{device} (use the CUDA backend for cuda; other devices are not supported)"
+        )
+
+
 def _check_pool(
     kv_caches: CanonicalKVCaches, cpu_tensors: Sequence[torch.Tensor], factor: int
 ) -> None:
-    if kv_caches.is_cuda or any(t.device.type != "cpu" for t in cpu_tensors):
-        raise LayoutError("the host backend copies between CPU tensors only")
+    check_host_caches(kv_caches)
     if len(cpu_tensors) != len(kv_caches.tensors):
         raise LayoutError(
             f"{len(kv_caches.tensors)} KV tensors need as many CPU pools, got {len(cpu_tensors)}"
         )
     for i, (kv, cpu) in enumerate(zip(kv_caches.tensors, cpu_tensors, strict=True)):
+        if not isinstance(cpu, torch.Tensor) or cpu.device.type != "cpu":
+            where = cpu.device if isinstance(cpu, torch.Tensor) else type(cpu).__name__
+            raise LayoutError(f"CPU pool {i} must be a CPU tensor, got one on {where}")
         want = kv.page_size_bytes * factor
-        if cpu.dtype != torch.int8 or cpu.ndim != 2 or not cpu.is_contiguous():
+        if cpu.dtype != torch.int8 or cpu.ndim != 2 or (cpu.shape[1] > 1 and cpu.stride(1) != 1):
             raise LayoutError(
-                f"CPU pool {i} must be a contiguous 2-D int8 tensor, "
-                f"got {cpu.dtype} shape {tuple(cpu.shape)}"
+                f"CPU pool {i} must be a 2-D int8 tensor with byte-contiguous rows, "
+                f"got {cpu.dtype} shape {tuple(cpu.shape)} strides {cpu.stride()}"
             )
         if cpu.shape[1] != want:
             raise LayoutError(
                 f"CPU pool {i} rows must be page_size_bytes {kv.page_size_bytes} x "
                 f"block_size_factor {factor} = {want} bytes, got {cpu.shape[1]}"
+            )
+        if cpu.shape[0] > 1 and cpu.stride(0) < want:
+            raise LayoutError(
+                f"CPU pool {i} rows overlap: row stride {cpu.stride(0)} < row width {want}"
             )

@@ -1,15 +1,20 @@
-"""Both host directions over one CPU pool, as ``make_cpu_gpu_handlers`` wants them."""
+"""Both host directions over one CPU pool (private, or a shared region's views),
+as ``make_cpu_gpu_handlers`` wants them."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from aiokvo._util import check_int
 from aiokvo.handlers.base import CpuGpuHandlers
-from aiokvo.handlers.host.handler import HostOffloadingHandler
+from aiokvo.handlers.host.handler import HostOffloadingHandler, check_host_caches
+from aiokvo.handlers.pool import region_pool
 from aiokvo.layout import CanonicalKVCaches
+
+if TYPE_CHECKING:
+    from aiokvo.memory.shared_region import SharedOffloadRegion
 
 __all__ = ["allocate_cpu_pool", "make_host_handlers"]
 
@@ -32,20 +37,30 @@ def make_host_handlers(
     *,
     block_size_factor: int,
     num_cpu_blocks: int,
+    region: SharedOffloadRegion | None = None,
     **options: Any,
 ) -> CpuGpuHandlers:
-    """A store and a load :class:`HostOffloadingHandler` over a fresh CPU pool.
+    """A store and a load :class:`HostOffloadingHandler` over one CPU pool.
 
-    ``options`` go to both handlers (``poller_mode``, ``max_buffered``,
-    ``copy_threads``, ``copy_fn``, ``inline_after``, ``split_min_bytes``).
+    The pool is fresh zeroed tensors, or with ``region`` one view of the
+    shared region per KV tensor (see :func:`~aiokvo.handlers.pool.region_pool`;
+    the pair borrows the region). ``options`` go to both handlers
+    (``poller_mode``, ``max_buffered``, ``copy_threads``, ``copy_fn``,
+    ``inline_after``, ``split_min_bytes``).
     """
-    cpu_tensors = allocate_cpu_pool(
-        kv_caches, block_size_factor=block_size_factor, num_cpu_blocks=num_cpu_blocks
-    )
+    check_host_caches(kv_caches)
+    if region is None:
+        cpu_tensors = allocate_cpu_pool(
+            kv_caches, block_size_factor=block_size_factor, num_cpu_blocks=num_cpu_blocks
+        )
+    else:
+        cpu_tensors = region_pool(
+            kv_caches, region, block_size_factor=block_size_factor, num_cpu_blocks=num_cpu_blocks
+        )
     store = HostOffloadingHandler(
         kv_caches, cpu_tensors, block_size_factor=block_size_factor, gpu_to_cpu=True, **options
     )
     load = HostOffloadingHandler(
         kv_caches, cpu_tensors, block_size_factor=block_size_factor, gpu_to_cpu=False, **options
     )
-    return CpuGpuHandlers(gpu_to_cpu=store, cpu_to_gpu=load, cpu_tensors=cpu_tensors)
+    return CpuGpuHandlers(gpu_to_cpu=store, cpu_to_gpu=load, cpu_tensors=cpu_tensors, region=region)

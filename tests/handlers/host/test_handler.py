@@ -26,7 +26,7 @@ from aiokvo.handlers.host import (
     HostOffloadingHandler,
     apply_host_copies,
 )
-from aiokvo.handlers.host.copies import page_elements, page_voids, page_words
+from aiokvo.handlers.host.copies import page_elements, page_voids, page_words, split_by_part
 from aiokvo.keys import make_offload_key
 from aiokvo.layout import CanonicalKVCaches
 from aiokvo.manager.cpu import CPUOffloadingManager
@@ -664,3 +664,41 @@ async def test_unsplit_transfers_use_void_pages_and_split_ones_int64_words(
         for t in range(2):
             assert _page(handlers.cpu_tensors[t], 1, 0, page) == _gpu_row(caches, t, 4)
             assert _page(handlers.cpu_tensors[t], 0, 0, page) == _gpu_row(caches, t, 9)
+
+
+@pytest.mark.parametrize("factor", [1, 2])
+def test_kv_caches_on_a_device_numpy_cannot_reach_are_refused_when_built(factor: int) -> None:
+    layer = torch.empty((4, 2, 8), dtype=torch.bfloat16, device="meta")
+    caches = CanonicalKVCaches.from_engine([layer])
+    with pytest.raises(LayoutError, match="KV caches are on meta"):
+        make_cpu_gpu_handlers(caches, block_size_factor=factor, num_cpu_blocks=2)
+    pool = [torch.zeros((2, caches.tensors[0].page_size_bytes * factor), dtype=torch.int8)]
+    for gpu_to_cpu in (True, False):
+        with pytest.raises(LayoutError, match="KV caches are on meta"):
+            HostOffloadingHandler(caches, pool, block_size_factor=factor, gpu_to_cpu=gpu_to_cpu)
+
+
+def test_a_pool_on_another_device_or_with_overlapping_rows_is_refused() -> None:
+    _, caches = _kv_caches("blocks_first", [1])
+    page = caches.tensors[0].page_size_bytes
+    meta_pool = [torch.empty((4, page), dtype=torch.int8, device="meta")]
+    with pytest.raises(LayoutError, match="CPU pool 0 must be a CPU tensor, got one on meta"):
+        HostOffloadingHandler(caches, meta_pool, block_size_factor=1, gpu_to_cpu=True)
+    flat = torch.zeros(4 * page, dtype=torch.int8)
+    overlapping = [flat.as_strided((4, page), (page // 2, 1))]
+    with pytest.raises(LayoutError, match="rows overlap"):
+        HostOffloadingHandler(caches, overlapping, block_size_factor=1, gpu_to_cpu=True)
+    columns = [torch.zeros((page, 4), dtype=torch.int8).t()]
+    with pytest.raises(LayoutError, match="byte-contiguous rows"):
+        HostOffloadingHandler(caches, columns, block_size_factor=1, gpu_to_cpu=True)
+
+
+def test_split_by_part_groups_a_copys_pages_by_their_place_in_a_row() -> None:
+    src, dst = np.array([0, 1, 2, 3, 4]), np.array([7, 2, 5, 4, 9])  # dst: 2 pages per row
+    parts = [(s, sr.tolist(), d, dr.tolist()) for s, sr, d, dr in split_by_part(src, 0, dst, 2)]
+    assert parts == [(-1, [1, 3], 0, [1, 2]), (-1, [0, 2, 4], 1, [3, 2, 4])]
+    both = split_by_part(np.array([5, 0]), 3, np.array([1, 4]), 2)
+    assert [(s, sr.tolist(), d, dr.tolist()) for s, sr, d, dr in both] == [
+        (0, [0], 0, [2]),
+        (2, [1], 1, [0]),
+    ]
