@@ -190,6 +190,52 @@ async def test_shared_region_registered_as_pinned(driver: RuntimeDriver, engine:
         region.close()
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_make_cuda_handlers_over_a_shared_region_with_factor_two(
+    driver: RuntimeDriver, engine: str
+) -> None:
+    """The region as the pool: strided rows (rank 1 of 2) holding two pages each."""
+    from aiokvo.memory.shared_region import SharedOffloadRegion
+
+    kv = random_kv(2, 16, (16, 8, 8))  # 2 KiB pages
+    caches = CanonicalKVCaches.from_block_tensors([kv])
+    region = SharedOffloadRegion(
+        f"gpupool{os.getpid()}{engine}",
+        num_blocks=4,
+        num_workers=2,
+        page_bytes_per_rank=caches.page_bytes_per_block * 2,
+        rank=1,
+    )
+    try:
+        pair = make_cuda_handlers(
+            caches, block_size_factor=2, num_cpu_blocks=4, region=region, driver=driver,
+            engine=engine,
+        )  # fmt: skip
+        assert region.is_pinned
+        async with pair:
+            gpu_ids, cpu_ids = [3, 8, 1, 12], [2, 0]
+            spec = GPULoadStoreSpec(gpu_ids, [4], [0]), CPULoadStoreSpec(cpu_ids)
+            result = await pair.gpu_to_cpu.transfer_async(1, spec)
+            assert result.success, result.error
+            for layer, cpu in zip(kv, pair.cpu_tensors, strict=True):
+                assert cpu.stride(0) == region.row_stride
+                expected = rows(layer)[gpu_ids].cpu().reshape(2, -1)
+                assert torch.equal(cpu[cpu_ids], expected)
+            assert not region.rows()[:, : region.page_bytes_per_rank].any()  # rank 0's half
+            saved = [rows(layer)[gpu_ids].clone() for layer in kv]
+            for layer in kv:
+                rows(layer)[gpu_ids] = 0
+            torch.cuda.synchronize()
+            back = CPULoadStoreSpec(cpu_ids), GPULoadStoreSpec(gpu_ids, [4], [0])
+            result = await pair.cpu_to_gpu.transfer_async(2, back)
+            assert result.success, result.error
+            for layer, before in zip(kv, saved, strict=True):
+                assert torch.equal(rows(layer)[gpu_ids], before)
+        del pair, cpu  # the views: the region can then unmap at once
+    finally:
+        region.close()
+
+
 async def test_awaited_result_arrives_through_the_thread_poller(driver: RuntimeDriver) -> None:
     kv = random_kv(1, 8, (16, 8, 128))
     caches = CanonicalKVCaches.from_block_tensors([kv])
