@@ -145,9 +145,10 @@ def default_directory() -> Path:
     :class:`~aiokvo.errors.UnsafeSharedRegionError`. Other users cannot
     create, replace or link anything inside it.
     """
-    return private_directory(
-        Path(DEFAULT_DIRECTORY), f"aiokvo-{os.geteuid()}", error=UnsafeSharedRegionError
-    )
+    parent = Path(DEFAULT_DIRECTORY)
+    if not parent.is_dir():
+        raise ConfigError(f"{parent} does not exist or is not a directory; pass directory=")
+    return private_directory(parent, f"aiokvo-{os.geteuid()}", error=UnsafeSharedRegionError)
 
 
 # ------------------------------------------------------------------ the region
@@ -313,10 +314,12 @@ class SharedOffloadRegion(AsyncResource):
             time.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
 
     def _region_file_remains(self) -> bool:
+        """Whether a region file of this uid is there (its creator removes the lock)."""
         try:
-            return stat.S_ISREG(os.lstat(self._path).st_mode)
+            st = os.lstat(self._path)
         except OSError:
             return False
+        return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
 
     def _create_or_attach(self) -> _Opened | _NotReady:
         """One attempt, with the lock held."""

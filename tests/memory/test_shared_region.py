@@ -372,6 +372,21 @@ def test_files_of_another_uid_are_refused(iid: str, which: str) -> None:
 
 
 @needs_root
+def test_a_squatted_region_name_is_refused_and_our_lock_file_removed(iid: str) -> None:
+    mmap_path, lock_path = paths(iid)
+    mmap_path.write_bytes(b"squatter")
+    mmap_path.chmod(0o600)
+    os.chown(mmap_path, OTHER_UID, OTHER_UID)
+    try:
+        with pytest.raises(UnsafeSharedRegionError, match=f"belongs to uid {OTHER_UID}"):
+            region(iid)
+        assert mmap_path.read_bytes() == b"squatter"  # not ours: neither used nor removed
+        assert not lock_path.exists(), "the lock file we made is gone"
+    finally:
+        mmap_path.unlink()
+
+
+@needs_root
 def test_a_squatted_lock_name_is_refused_and_left_alone(iid: str) -> None:
     """The denial of service docs/memory.md describes: reported, nothing opened."""
     _, lock_path = paths(iid)
@@ -423,6 +438,14 @@ def test_a_squatted_default_directory_is_refused(
     squatted.rmdir()
     squatted.symlink_to(tmp_path)
     with pytest.raises(UnsafeSharedRegionError, match="symbolic link"):
+        region(iid)
+
+
+def test_a_missing_default_parent_is_a_config_error(
+    iid: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shared_region, "DEFAULT_DIRECTORY", str(tmp_path / "no-shm"))
+    with pytest.raises(ConfigError, match="no-shm does not exist"):
         region(iid)
 
 
