@@ -15,11 +15,13 @@ from typing import Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from aiokvo.errors import InvalidSpecError
+from aiokvo._util import check_int
+from aiokvo.errors import ConfigError, InvalidSpecError
 from aiokvo.keys import OffloadKey
 
 __all__ = [
     "BlockIDsLoadStoreSpec",
+    "BlockMetadata",
     "CPULoadStoreSpec",
     "GPULoadStoreSpec",
     "LoadStoreSpec",
@@ -34,11 +36,65 @@ __all__ = [
 BlockIds: TypeAlias = "Sequence[int] | npt.NDArray[np.integer[Any]]"
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockMetadata:
+    """What a KV-aware router needs to index a request's blocks.
+
+    Managers ignore it; KV-event publishers (``aiokvo.telemetry.kv_events``)
+    put it in their ``BlockStored`` events, because routers drop events that
+    carry no tokens. It describes a request's keys in order from its first
+    block: key ``i`` covers ``blocks_per_key`` router blocks of ``block_size``
+    tokens each, i.e. ``token_ids[i * n : (i + 1) * n]`` with
+    ``n = blocks_per_key * block_size``. ``block_hashes`` (one per router
+    block, needed when ``blocks_per_key > 1``) are then the hashes published
+    for those blocks, as vLLM publishes its GPU blocks; otherwise each key
+    publishes its own block hash. ``parent_block_hash`` is the hash of the
+    block before the first key (None at the start of a sequence);
+    ``extra_keys`` holds one entry per router block (vLLM's untagged form).
+    """
+
+    token_ids: Sequence[int]
+    block_size: int
+    blocks_per_key: int = 1
+    block_hashes: Sequence[bytes] | None = None
+    parent_block_hash: bytes | None = None
+    lora_id: int | None = None
+    lora_name: str | None = None
+    extra_keys: Sequence[tuple[Any, ...] | None] | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        check_int("block_size", self.block_size, minimum=1)
+        per_key = check_int("blocks_per_key", self.blocks_per_key, minimum=1)
+        tokens = self.token_ids
+        if isinstance(tokens, str | bytes) or not hasattr(tokens, "__len__"):
+            raise ConfigError(f"token_ids must be a sequence of ints, got {tokens!r}")
+        if not isinstance(tokens, list | tuple):  # numpy arrays, ranges: encoders want lists
+            tolist = getattr(tokens, "tolist", None)
+            object.__setattr__(self, "token_ids", tolist() if tolist else list(tokens))
+        if per_key > 1 and self.block_hashes is None:
+            raise ConfigError(
+                f"blocks_per_key={per_key} needs block_hashes (one per block of "
+                f"{self.block_size} tokens) to publish"
+            )
+
+    @property
+    def tokens_per_key(self) -> int:
+        """Tokens one key covers (``blocks_per_key * block_size``)."""
+        return self.blocks_per_key * self.block_size
+
+
 @dataclass(slots=True)
 class ReqContext:
-    """Per-request data a manager may consult (opaque to the built-in ones)."""
+    """Per-request data a manager may consult (opaque to the built-in ones).
+
+    ``block_metadata`` describes the request's tokens for KV-event consumers
+    (see :class:`BlockMetadata`); managers never read it.
+    """
 
     kv_transfer_params: dict[str, Any] | None = None
+    block_metadata: BlockMetadata | None = None
 
 
 class LoadStoreSpec(ABC):

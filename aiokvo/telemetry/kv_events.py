@@ -1,0 +1,465 @@
+"""Publish aiokvo's cache events over ZMQ in vLLM's KV-event wire format.
+
+KV-aware routers (llm-d's KV cache manager, NVIDIA Dynamo, Mooncake's
+Conductor, ...) subscribe to vLLM's ``ZmqEventPublisher``. This publisher
+speaks the same protocol, so they can index aiokvo's CPU tier (and later
+tiers) exactly as they index vLLM's GPU blocks:
+
+* a PUB socket sends ``[topic, seq (8 bytes, big-endian), payload]`` where
+  ``payload`` is a msgpack ``[ts, events, data_parallel_rank]`` batch
+  (:mod:`aiokvo.telemetry.kv_wire` has the event structs and the mapping);
+* an optional ROUTER socket serves replays: a client sends a start sequence
+  number (8 bytes, big-endian), gets every buffered batch from there as
+  ``[topic, seq, payload]``, then the end marker ``[b"", seq -1, b""]``.
+
+Nothing here runs on the manager's path. The manager pushes into a bounded
+:class:`~aiokvo.events.EventSubscription` (it never waits); a task on the
+loop drains it once per wake-up, so everything one scheduler step did goes
+out as one batch, as vLLM publishes one batch per engine step. Both sockets
+are ``zmq.asyncio`` sockets that never block: PUB drops messages for a
+subscriber past its high-water mark (the subscriber sees a gap in ``seq``
+and can replay), ROUTER drops replies to a client that does not read. Memory
+is bounded by the subscription, the replay buffer (batches and bytes) and
+the high-water marks. Events lost before they got a sequence number (the
+subscription lagged) are counted in :meth:`KVEventPublisher.statistics`;
+with ``on_lag="clear"`` an ``AllBlocksCleared`` marks the gap (see
+``docs/telemetry.md`` for why that is not the default).
+
+Needs the ``kv-events`` extra (``pip install 'aiokvo[kv-events]'``: pyzmq
+and msgspec).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+try:
+    import msgspec
+    import zmq
+    import zmq.asyncio
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "aiokvo.telemetry.kv_events needs pyzmq and msgspec: pip install 'aiokvo[kv-events]'"
+    ) from exc
+
+from aiokvo._util import AsyncResource, check_choice, check_int
+from aiokvo.errors import ConfigError, SubscriptionClosed
+from aiokvo.events import Lagged
+from aiokvo.keys import OffloadKey
+from aiokvo.manager.sink import OverflowPolicy
+from aiokvo.specs import BlockMetadata, ReqContext
+from aiokvo.telemetry.kv_wire import (
+    Encoding,
+    EventBatch,
+    EventTranslator,
+    HashFormat,
+    WireMedium,
+)
+
+__all__ = [
+    "END_SEQ",
+    "EventSource",
+    "KVEventPublisher",
+    "KVEventPublisherStatistics",
+    "LagPolicy",
+]
+
+logger = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The replay end marker's sequence frame (vLLM's ``END_SEQ``: ``ff`` x 8)."""
+
+LagPolicy = Literal["count", "clear"]
+_LAG_POLICIES: tuple[LagPolicy, ...] = ("count", "clear")
+_REPLAY_YIELD_EVERY = 128  # replies sent between yields to the loop during a replay
+
+
+class _Subscription(Protocol):
+    """What the publisher reads (``aiokvo.events.EventSubscription``)."""
+
+    async def receive(self) -> Any: ...
+
+    def drain_nowait(self) -> list[Any]: ...
+
+    def qsize(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class EventSource(Protocol):
+    """Anything that hands out event subscriptions: a manager, or an Offloader."""
+
+    def subscribe(self, *, maxsize: int = ..., overflow: OverflowPolicy = ...) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventPublisherStatistics:
+    """A snapshot of a publisher's counters (see :meth:`KVEventPublisher.statistics`)."""
+
+    batches_sent: int
+    """Batches sent on the PUB socket (the next batch gets this sequence number)."""
+    events_sent: int
+    """KV events in those batches."""
+    events_dropped: int
+    """Source events lost because the subscription overflowed (never sent)."""
+    lag_clears: int
+    """``AllBlocksCleared`` events sent to mark such losses (``on_lag="clear"``)."""
+    send_errors: int
+    """Batches that failed to encode or send (logged; their sequence number is skipped)."""
+    queued: int
+    """Source events waiting in the subscription."""
+    replays_served: int
+    """Replay requests answered (each ends with the end marker)."""
+    replay_batches_sent: int
+    """Batches re-sent to replay clients."""
+    invalid_replay_requests: int
+    """Replay requests that were not ``[b"", start_seq]`` (ignored, as vLLM does)."""
+    buffer_batches: int
+    """Batches kept for replay now."""
+    buffer_bytes: int
+    """Payload bytes kept for replay now."""
+    described_keys: int
+    """Keys with caller metadata waiting for their store event."""
+    described_dropped: int
+    """Described keys forgotten unused (the metadata table is bounded)."""
+
+
+class KVEventPublisher(AsyncResource):
+    """Publishes ``source``'s events on ``endpoint`` as vLLM's ZmqEventPublisher does.
+
+    ``async with KVEventPublisher(manager, "tcp://*:5557") as publisher:``
+    binds (or connects), subscribes to ``source`` and publishes until the
+    block ends; leaving it publishes what is still queued, then closes both
+    sockets. ``source`` is anything with ``subscribe(maxsize=, overflow=)``
+    returning an event subscription: a manager now, an Offloader later.
+
+    Endpoints follow vLLM's rule: a wildcard host (``*``, ``::``), ``ipc://``
+    and ``inproc://`` bind, and so does TCP port 0 (an ephemeral port, read it
+    back from :attr:`endpoint`); any other address connects (to an XSUB
+    proxy, say). ``bind`` overrides the rule. The replay socket always binds.
+
+    Options: ``encoding="array"`` for consumers pinned to vLLM <= 0.23;
+    ``hash_format="bytes"`` for raw block hashes; ``media`` to rename media
+    (:data:`~aiokvo.telemetry.kv_wire.DEFAULT_MEDIA`); ``buffer_steps`` and
+    ``max_buffer_bytes`` bound the replay buffer; ``hwm`` is each socket's
+    high-water mark; ``max_queue`` bounds the subscription; ``on_lag``
+    decides what an overflow of it publishes; ``max_described`` bounds the
+    metadata table (:meth:`describe`). ``context`` is a ``zmq.asyncio``
+    context to use (default: one of its own, terminated on close).
+    """
+
+    def __init__(
+        self,
+        source: EventSource,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        encoding: Encoding = "map",
+        hash_format: HashFormat = "int",
+        data_parallel_rank: int | None = 0,
+        media: Mapping[str, WireMedium] | None = None,
+        buffer_steps: int = 10_000,
+        max_buffer_bytes: int = 64 << 20,
+        hwm: int = 100_000,
+        max_queue: int = 16_384,
+        on_lag: LagPolicy = "count",
+        max_described: int = 65_536,
+        bind: bool | None = None,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        if not hasattr(source, "subscribe"):
+            raise ConfigError(f"source must have a subscribe() method, got {source!r}")
+        self._endpoint = _check_endpoint("endpoint", endpoint)
+        self._replay_endpoint = (
+            None if replay_endpoint is None else _check_endpoint("replay_endpoint", replay_endpoint)
+        )
+        if not isinstance(topic, str):
+            raise ConfigError(f"topic must be a str, got {topic!r}")
+        if data_parallel_rank is not None:
+            check_int("data_parallel_rank", data_parallel_rank, minimum=0)
+        self._translator = EventTranslator(
+            encoding=encoding, hash_format=hash_format, media=media, max_described=max_described
+        )
+        self._buffer_steps = check_int("buffer_steps", buffer_steps, minimum=0)
+        self._max_buffer_bytes = check_int("max_buffer_bytes", max_buffer_bytes, minimum=0)
+        self._hwm = check_int("hwm", hwm, minimum=0)
+        self._max_queue = check_int("max_queue", max_queue, minimum=1)
+        self._on_lag: LagPolicy = check_choice("on_lag", on_lag, _LAG_POLICIES)
+        if bind is not None and not isinstance(bind, bool):
+            raise ConfigError(f"bind must be a bool or None, got {bind!r}")
+        self._bind = _is_bind_endpoint(self._endpoint) if bind is None else bind
+        self._source = source
+        self._topic = topic.encode("utf-8")
+        self._rank = data_parallel_rank
+        self._context = context
+        self._own_context = context is None
+        self._encoder = msgspec.msgpack.Encoder()
+
+        self._sub: _Subscription | None = None
+        self._pub: zmq.asyncio.Socket | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._idle = asyncio.Event()
+        self._state: Literal["new", "running", "closed"] = "new"
+        self._buffer: deque[tuple[int, bytes]] = deque()
+        self._buffer_bytes = 0
+        self._seq = 0
+        self._events_sent = 0
+        self._events_dropped = 0
+        self._lag_clears = 0
+        self._send_errors = 0
+        self._replays = 0
+        self._replay_batches = 0
+        self._invalid_replays = 0
+
+    # -- lifetime --------------------------------------------------------------------
+
+    async def __aenter__(self) -> KVEventPublisher:
+        await self.start()
+        return self
+
+    async def start(self) -> None:
+        """Open the sockets, subscribe to the source and start publishing (idempotent)."""
+        if self._state != "new":
+            if self._state == "closed":
+                raise ConfigError("this KVEventPublisher is closed; make a new one")
+            return
+        ctx = self._context
+        if ctx is None:
+            ctx = self._context = zmq.asyncio.Context()
+        pub = router = None
+        try:
+            pub = ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.LINGER, 0)
+            pub.set_hwm(self._hwm)
+            if self._bind:
+                self._endpoint = _bind(pub, self._endpoint)
+            else:
+                _ipv6(pub, self._endpoint)
+                pub.connect(self._endpoint)
+            if self._replay_endpoint is not None:
+                router = ctx.socket(zmq.ROUTER)
+                router.setsockopt(zmq.LINGER, 0)
+                router.set_hwm(self._hwm)
+                self._replay_endpoint = _bind(router, self._replay_endpoint)
+            self._sub = self._source.subscribe(maxsize=self._max_queue, overflow="drop_oldest")
+        except BaseException:
+            for sock in (pub, router):
+                if sock is not None:
+                    sock.close(linger=0)
+            if self._own_context:
+                ctx.term()
+                self._context = None
+            raise
+        self._pub, self._router = pub, router
+        self._state = "running"
+        self._tasks.append(asyncio.create_task(self._pump(), name="aiokvo-kv-events-pub"))
+        if router is not None:
+            self._tasks.append(
+                asyncio.create_task(self._serve_replays(), name="aiokvo-kv-events-replay")
+            )
+
+    async def aclose(self) -> None:
+        """Publish what is queued, then close the sockets (idempotent)."""
+        if self._state != "running":
+            self._state = "closed"
+            return
+        self._state = "closed"
+        assert self._sub is not None
+        self._sub.close()  # the pump drains what is buffered, then ends
+        pump, *others = self._tasks
+        for task in others:
+            task.cancel()
+        try:
+            await asyncio.gather(pump, *others, return_exceptions=True)
+        finally:
+            for sock in (self._pub, self._router):
+                if sock is not None:
+                    sock.close(linger=0)
+            if self._own_context and self._context is not None:
+                self._context.term()
+                self._context = None
+
+    async def flush(self) -> None:
+        """Wait until every event the source has made so far is sent."""
+        while self._state == "running":
+            await self._idle.wait()
+            assert self._sub is not None
+            if not self._sub.qsize():
+                return
+            await asyncio.sleep(0)
+
+    # -- the caller's metadata -------------------------------------------------------
+
+    def describe(
+        self,
+        keys: Sequence[OffloadKey],
+        context: ReqContext | BlockMetadata,
+        *,
+        only: Collection[OffloadKey] | None = None,
+    ) -> None:
+        """Make the next store event of ``keys`` self-describing.
+
+        Call it with the request's keys and a context carrying
+        :class:`~aiokvo.specs.BlockMetadata` (token ids, block size, parent
+        hash, LoRA, extra keys) around ``prepare_store``; pass
+        ``only=out.keys_to_store`` to record just the blocks being stored.
+        Synchronous and cheap (one table insert per key); see
+        :meth:`EventTranslator.describe <aiokvo.telemetry.kv_wire.EventTranslator.describe>`.
+        """
+        self._translator.describe(keys, context, only=only)
+
+    # -- introspection ---------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """The PUB endpoint; after binding, the address actually bound."""
+        return self._endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        """The ROUTER endpoint (the address actually bound), or None without replay."""
+        return self._replay_endpoint
+
+    def statistics(self) -> KVEventPublisherStatistics:
+        return KVEventPublisherStatistics(
+            batches_sent=self._seq - self._send_errors,
+            events_sent=self._events_sent,
+            events_dropped=self._events_dropped,
+            lag_clears=self._lag_clears,
+            send_errors=self._send_errors,
+            queued=self._sub.qsize() if self._sub is not None else 0,
+            replays_served=self._replays,
+            replay_batches_sent=self._replay_batches,
+            invalid_replay_requests=self._invalid_replays,
+            buffer_batches=len(self._buffer),
+            buffer_bytes=self._buffer_bytes,
+            described_keys=self._translator.described,
+            described_dropped=self._translator.described_dropped,
+        )
+
+    def __repr__(self) -> str:
+        return f"<KVEventPublisher {self._state} {self._endpoint!r} seq={self._seq}>"
+
+    # -- the tasks -------------------------------------------------------------------
+
+    async def _pump(self) -> None:
+        sub = self._sub
+        assert sub is not None
+        while True:
+            self._idle.set()
+            try:
+                first = await sub.receive()
+            except SubscriptionClosed:
+                return
+            self._idle.clear()
+            items = sub.drain_nowait()
+            items.insert(0, first)
+            try:
+                await self._publish(items)
+            except Exception:  # keep publishing; a router resyncs from the seq gap
+                self._send_errors += 1
+                self._seq += 1
+                logger.exception("KV event batch %d could not be published", self._seq - 1)
+
+    async def _publish(self, items: list[Any]) -> None:
+        events: list[Any] = []
+        translate = self._translator.translate
+        for item in items:
+            if isinstance(item, Lagged):
+                self._lost(item.missed, events)
+            else:
+                translate(item, events)
+        if not events:
+            return
+        payload = self._encoder.encode(EventBatch(time.time(), events, self._rank))
+        seq = self._seq
+        assert self._pub is not None
+        await self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self._seq = seq + 1
+        self._events_sent += len(events)
+        self._remember(seq, payload)
+
+    def _lost(self, missed: int, events: list[Any]) -> None:
+        if not self._events_dropped:
+            logger.warning(
+                "KV event subscription overflowed: %d events lost (max_queue=%d); "
+                "routers miss them (see statistics().events_dropped)",
+                missed, self._max_queue,
+            )
+        self._events_dropped += missed
+        if self._on_lag == "clear":
+            self._lag_clears += 1
+            events.append(self._translator.all_cleared())
+
+    def _remember(self, seq: int, payload: bytes) -> None:
+        if not self._buffer_steps:
+            return
+        buffer = self._buffer
+        buffer.append((seq, payload))
+        self._buffer_bytes += len(payload)
+        while len(buffer) > self._buffer_steps or (
+            self._buffer_bytes > self._max_buffer_bytes and buffer
+        ):
+            self._buffer_bytes -= len(buffer.popleft()[1])
+
+    async def _serve_replays(self) -> None:
+        router = self._router
+        assert router is not None
+        while True:
+            frames = await router.recv_multipart()
+            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                self._invalid_replays += 1
+                logger.warning("invalid KV event replay request: %d frames", len(frames))
+                continue
+            identity, _, start_bytes = frames
+            start = int.from_bytes(start_bytes, "big")
+            # A snapshot: the buffer moves on while the replay yields.
+            entries = [entry for entry in self._buffer if entry[0] >= start]
+            topic = self._topic
+            for n, (seq, payload) in enumerate(entries, 1):
+                await router.send_multipart((identity, b"", topic, seq.to_bytes(8, "big"),
+                                             payload))
+                self._replay_batches += 1
+                if n % _REPLAY_YIELD_EVERY == 0:
+                    await asyncio.sleep(0)  # live publishing goes on during a long replay
+            await router.send_multipart((identity, b"", b"", END_SEQ, b""))
+            self._replays += 1
+
+
+# -- endpoints ---------------------------------------------------------------------
+
+
+def _check_endpoint(name: str, endpoint: object) -> str:
+    if not isinstance(endpoint, str) or "://" not in endpoint:
+        raise ConfigError(f"{name} must be a ZMQ endpoint like 'tcp://*:5557', got {endpoint!r}")
+    return endpoint
+
+
+def _is_bind_endpoint(endpoint: str) -> bool:
+    """vLLM's rule (wildcards, ipc, inproc bind), plus TCP port 0."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    address = endpoint.split("://", 1)[1]
+    return "*" in address or "::" in address or address.endswith(":0")
+
+
+def _ipv6(sock: zmq.asyncio.Socket, endpoint: str) -> None:
+    if "[" in endpoint or "::" in endpoint:
+        sock.setsockopt(zmq.IPV6, 1)
+
+
+def _bind(sock: zmq.asyncio.Socket, endpoint: str) -> str:
+    """Bind and return the endpoint actually bound (the real port for port 0)."""
+    _ipv6(sock, endpoint)
+    sock.bind(endpoint)
+    bound = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return bound.decode() if isinstance(bound, bytes) and bound else endpoint
+

@@ -1,0 +1,519 @@
+"""vLLM's KV-event wire format, and the translation of aiokvo's events into it.
+
+Pure and synchronous (the sans-I/O half of :mod:`aiokvo.telemetry.kv_events`):
+no sockets, no asyncio. The structs follow ``vllm/distributed/kv_events.py``
+field for field and option for option, so that ``msgspec`` encodes exactly
+what vLLM's ``ZmqEventPublisher`` sends:
+
+* a batch is a positional array ``[ts, events, data_parallel_rank]``;
+* ``encoding="map"`` (vLLM >= 0.24): each event a map tagged ``"type"``, keys
+  in declaration order, optional fields left out when unset;
+* ``encoding="array"`` (vLLM <= 0.23): each event a positional array, the tag
+  first, then every field of the 0.23 field set (no ``locality`` and no
+  ``ownership``: such consumers tell tiers apart by ``medium`` only).
+
+Media use vLLM's names. aiokvo's media map to ``(medium, locality, ownership)``
+by :data:`DEFAULT_MEDIA`: the CPU pool is ``"CPU"``, local, primary; the
+coming disk and Mooncake tiers are ``"STORAGE"``, told apart by ``locality``
+(``"LOCAL"`` / ``"REMOTE"``) and ``ownership`` (the tier's name, as vLLM's
+secondary tiers set it). An unknown medium is published as ``"STORAGE"``
+owned by its own lower-cased name, never dropped.
+
+Block hashes are vLLM's 64-bit ints by default: the last 8 bytes of the
+block hash, unsigned big-endian (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``,
+what llm-d and Dynamo read); the key's group goes into ``group_idx``.
+``hash_format="bytes"`` publishes the raw hash instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Literal, NamedTuple, Protocol, TypeAlias
+
+import msgspec
+
+from aiokvo._util import check_choice, check_int
+from aiokvo.errors import ConfigError
+from aiokvo.keys import GROUP_IDX_BYTES, OffloadKey
+from aiokvo.specs import BlockMetadata, ReqContext
+
+__all__ = [
+    "DEFAULT_MEDIA",
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
+    "MEDIUM_STORAGE",
+    "AllBlocksCleared",
+    "ArrayAllBlocksCleared",
+    "ArrayBlockRemoved",
+    "ArrayBlockStored",
+    "BlockRemoved",
+    "BlockStored",
+    "Encoding",
+    "EventBatch",
+    "EventLike",
+    "EventTranslator",
+    "HashFormat",
+    "WireMedium",
+]
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
+
+Encoding = Literal["map", "array"]
+HashFormat = Literal["int", "bytes"]
+_ENCODINGS: tuple[Encoding, ...] = ("map", "array")
+_HASH_FORMATS: tuple[HashFormat, ...] = ("int", "bytes")
+
+Hash: TypeAlias = int | bytes
+
+
+class WireMedium(NamedTuple):
+    """How one aiokvo medium is named in KV events."""
+
+    medium: str
+    locality: str | None = None
+    ownership: str | None = None
+
+
+DEFAULT_MEDIA: Mapping[str, WireMedium] = MappingProxyType(
+    {
+        "GPU": WireMedium(MEDIUM_GPU),
+        "CPU": WireMedium(MEDIUM_CPU, "LOCAL"),
+        "DISK": WireMedium(MEDIUM_STORAGE, "LOCAL", "disk"),
+        "MOONCAKE": WireMedium(MEDIUM_STORAGE, "REMOTE", "mooncake"),
+    }
+)
+"""aiokvo medium -> (vLLM medium, locality, ownership); see the module docstring."""
+
+
+# -- the structs (map-encoded events, vLLM >= 0.24) ------------------------------
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One publish: ``[ts, events, data_parallel_rank]`` (always three elements)."""
+
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class _KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(_KVCacheEvent):
+    """Blocks became readable on ``medium``; ``token_ids`` empty means a placeholder."""
+
+    block_hashes: list[Any]
+    parent_block_hash: Any
+    token_ids: Sequence[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class BlockRemoved(_KVCacheEvent):
+    block_hashes: list[Any]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(_KVCacheEvent):
+    pass
+
+
+# -- the structs (array-encoded events, vLLM <= 0.23) ----------------------------
+
+
+class _ArrayKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class ArrayBlockStored(_ArrayKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[Any]
+    parent_block_hash: Any
+    token_ids: Sequence[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class ArrayBlockRemoved(_ArrayKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[Any]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class ArrayAllBlocksCleared(_ArrayKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+# -- translation -----------------------------------------------------------------
+
+
+class EventLike(Protocol):
+    """What the translator reads of an event (``aiokvo.specs.OffloadingEvent``)."""
+
+    @property
+    def keys(self) -> Sequence[OffloadKey]: ...
+
+    @property
+    def medium(self) -> str: ...
+
+    @property
+    def removed(self) -> bool: ...
+
+
+class _Described:
+    """A request's keys and their :class:`BlockMetadata`, shared by every key's entry."""
+
+    __slots__ = ("keys", "metadata")
+
+    def __init__(self, keys: Sequence[OffloadKey], metadata: BlockMetadata) -> None:
+        self.keys = keys
+        self.metadata = metadata
+
+
+class _Generations:
+    """A bounded key -> value table: two generations, the older dropped whole.
+
+    O(1) inserts and pops with no per-entry bookkeeping (deleting from the
+    front of a plain dict makes iteration from the front quadratic); an
+    entry survives at least ``capacity // 2`` newer inserts.
+    """
+
+    __slots__ = ("_half", "_old", "_young", "dropped")
+
+    def __init__(self, capacity: int) -> None:
+        self._half = max(1, capacity // 2)
+        self._young: dict[OffloadKey, Any] = {}
+        self._old: dict[OffloadKey, Any] = {}
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._young) + len(self._old)
+
+    def put_many(self, keys: Iterable[OffloadKey], value: Any) -> None:
+        self._young.update(zip(keys, itertools.repeat(value)))
+        self._rotate()
+
+    def put(self, key: OffloadKey, value: Any) -> None:
+        self._young[key] = value
+        if len(self._young) > self._half:
+            self._rotate()
+
+    def _rotate(self) -> None:
+        if len(self._young) > self._half:
+            self.dropped += len(self._old)
+            self._old, self._young = self._young, {}
+
+    def pop(self, key: OffloadKey) -> Any:
+        value = self._young.pop(key, None)
+        if value is None and self._old:
+            value = self._old.pop(key, None)
+        return value
+
+    def clear(self) -> None:
+        self._young.clear()
+        self._old.clear()
+
+
+def _group_of(key: OffloadKey) -> int:
+    return int.from_bytes(key[-GROUP_IDX_BYTES:], "big")
+
+
+def _int_hash(block_hash: bytes) -> int:
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+def _key_int_hash(key: OffloadKey) -> int:
+    # key = block hash + 4 group bytes; [-12:-4] is the hash's last <= 8 bytes.
+    return int.from_bytes(key[-12:-4], "big")
+
+
+def _key_raw_hash(key: OffloadKey) -> bytes:
+    return key[:-GROUP_IDX_BYTES]
+
+
+def _raw_hash(block_hash: bytes) -> bytes:
+    return bytes(block_hash)
+
+
+class EventTranslator:
+    """Turns aiokvo events into vLLM KV events; remembers what callers described.
+
+    ``describe`` records, per key, the request metadata a ``BlockStored`` of
+    that key should carry. The table is bounded (``max_described`` keys, the
+    oldest generation dropped whole); an entry is used once, by the key's
+    next store. Keys nobody described are published as vLLM publishes its own
+    offload events by default: placeholders (``token_ids=[]``,
+    ``block_size=0``), which routers that already know the hash (from the
+    engine's GPU events) read as "now also on this tier".
+    """
+
+    __slots__ = (
+        "_block_hash",
+        "_cleared",
+        "_described",
+        "_fanout",
+        "_key_hash",
+        "_media",
+        "_removed_cls",
+        "_stored_cls",
+        "encoding",
+        "hash_format",
+    )
+
+    def __init__(
+        self,
+        *,
+        encoding: Encoding = "map",
+        hash_format: HashFormat = "int",
+        media: Mapping[str, WireMedium] | None = None,
+        max_described: int = 65_536,
+    ) -> None:
+        self.encoding: Encoding = check_choice("encoding", encoding, _ENCODINGS)
+        self.hash_format: HashFormat = check_choice("hash_format", hash_format, _HASH_FORMATS)
+        max_described = check_int("max_described", max_described, minimum=2)
+        table = dict(DEFAULT_MEDIA)
+        for name, wire in (media or {}).items():
+            if not isinstance(wire, WireMedium):
+                raise ConfigError(f"media[{name!r}] must be a WireMedium, got {wire!r}")
+            table[name] = wire
+        self._media = table
+        self._key_hash: Callable[[OffloadKey], Hash]
+        self._block_hash: Callable[[bytes], Hash]
+        if hash_format == "int":
+            self._key_hash, self._block_hash = _key_int_hash, _int_hash
+        else:
+            self._key_hash, self._block_hash = _key_raw_hash, _raw_hash
+        self._stored_cls: type[BlockStored] | type[ArrayBlockStored]
+        self._removed_cls: type[BlockRemoved] | type[ArrayBlockRemoved]
+        self._cleared: AllBlocksCleared | ArrayAllBlocksCleared
+        if encoding == "map":
+            self._stored_cls, self._removed_cls = BlockStored, BlockRemoved
+            self._cleared = AllBlocksCleared()
+        else:
+            self._stored_cls, self._removed_cls = ArrayBlockStored, ArrayBlockRemoved
+            self._cleared = ArrayAllBlocksCleared()
+        self._described = _Generations(max_described)
+        # Keys stored with several router blocks each: the hashes their removal fans out to.
+        self._fanout = _Generations(max_described)
+
+    # -- metadata ------------------------------------------------------------------
+
+    def describe(
+        self,
+        keys: Sequence[OffloadKey],
+        context: ReqContext | BlockMetadata,
+        *,
+        only: Collection[OffloadKey] | None = None,
+    ) -> None:
+        """Remember what the next ``BlockStored`` of each of ``keys`` carries.
+
+        ``keys`` are the request's keys in order from its first block (what
+        ``lookup_prefix`` and ``prepare_store`` are given); ``context``
+        carries a :class:`BlockMetadata` for them, directly or as
+        ``ReqContext.block_metadata`` (a context without one is ignored).
+        ``only`` limits the entries to the keys about to be stored
+        (``prepare_store(...).keys_to_store``), which keeps the table to the
+        blocks that will be published. Raises :class:`ConfigError` if the
+        metadata does not cover the keys, before recording anything.
+        """
+        metadata = context.block_metadata if isinstance(context, ReqContext) else context
+        if metadata is None:
+            return
+        if not isinstance(metadata, BlockMetadata):
+            raise ConfigError(f"context must carry a BlockMetadata, got {metadata!r}")
+        if not isinstance(keys, list | tuple):
+            keys = list(keys)
+        count = len(keys)
+        needed = count * metadata.tokens_per_key
+        if len(metadata.token_ids) < needed:
+            raise ConfigError(
+                f"token_ids has {len(metadata.token_ids)} tokens, but {count} keys of "
+                f"{metadata.tokens_per_key} tokens need {needed}"
+            )
+        blocks = count * metadata.blocks_per_key
+        for name in ("block_hashes", "extra_keys"):
+            values = getattr(metadata, name)
+            if values is not None and len(values) < blocks:
+                raise ConfigError(
+                    f"{name} has {len(values)} entries, but {count} keys of "
+                    f"{metadata.blocks_per_key} blocks need {blocks}"
+                )
+        if only is not None:
+            missing = set(only).difference(keys)
+            if missing:
+                raise ConfigError(f"only names keys that are not in keys: {sorted(missing)!r}")
+        self._described.put_many(keys if only is None else only, _Described(keys, metadata))
+
+    @property
+    def described(self) -> int:
+        """Keys with metadata waiting for their store event."""
+        return len(self._described)
+
+    @property
+    def described_dropped(self) -> int:
+        """Described keys forgotten unused (the table is bounded)."""
+        return self._described.dropped
+
+    # -- events --------------------------------------------------------------------
+
+    def all_cleared(self) -> AllBlocksCleared | ArrayAllBlocksCleared:
+        """An ``AllBlocksCleared`` event in this translator's encoding."""
+        return self._cleared
+
+    def wire_medium(self, medium: str) -> WireMedium:
+        wire = self._media.get(medium)
+        if wire is None:
+            wire = self._media[medium] = WireMedium(MEDIUM_STORAGE, None, medium.lower())
+        return wire
+
+    def translate(self, event: EventLike, out: list[Any]) -> None:
+        """Append the KV events ``event`` stands for to ``out``."""
+        keys = event.keys
+        if not keys:
+            return
+        wire = self.wire_medium(event.medium)
+        if event.removed:
+            self._removed(keys, wire, out)
+        elif len(self._described) == 0:
+            self._placeholders(keys, wire, out)
+        else:
+            self._stored(keys, wire, out)
+
+    def _groups(self, keys: Sequence[OffloadKey]) -> Iterable[tuple[int, Sequence[OffloadKey]]]:
+        """``keys`` split by KV-cache group, in first-appearance order."""
+        first = keys[0][-GROUP_IDX_BYTES:]
+        if all(key.endswith(first) for key in keys):
+            return ((_group_of(keys[0]), keys),)
+        by_group: dict[int, list[OffloadKey]] = {}
+        for key in keys:
+            by_group.setdefault(_group_of(key), []).append(key)
+        return by_group.items()
+
+    def _placeholders(
+        self, keys: Sequence[OffloadKey], wire: WireMedium, out: list[Any]
+    ) -> None:
+        key_hash = self._key_hash
+        for group, members in self._groups(keys):
+            out.append(self._store_event(
+                [key_hash(k) for k in members], None, [], 0, None, None, None,
+                group, None, None, wire,
+            ))
+
+    def _stored(self, keys: Sequence[OffloadKey], wire: WireMedium, out: list[Any]) -> None:
+        described = self._described
+        bare: list[OffloadKey] = []
+        run: _Described | None = None
+        start = end = 0
+        for key in keys:
+            entry: _Described | None = described.pop(key)
+            if entry is not None:
+                if entry is run and end < len(entry.keys) and entry.keys[end] == key:
+                    end += 1
+                    continue
+                try:
+                    index = entry.keys.index(key)
+                except ValueError:  # pragma: no cover - describe() checked it
+                    entry = None
+            if run is not None:
+                self._described_event(run, start, end, wire, out)
+                run = None
+            if entry is None:
+                bare.append(key)
+                continue
+            if bare:
+                self._placeholders(bare, wire, out)
+                bare = []
+            run, start, end = entry, index, index + 1
+        if run is not None:
+            self._described_event(run, start, end, wire, out)
+        if bare:
+            self._placeholders(bare, wire, out)
+
+    def _described_event(
+        self, entry: _Described, start: int, end: int, wire: WireMedium, out: list[Any]
+    ) -> None:
+        """One ``BlockStored`` for keys ``start:end`` of a described request."""
+        meta, keys = entry.metadata, entry.keys
+        per_key, n = meta.blocks_per_key, meta.tokens_per_key
+        block_hash = self._block_hash
+        if meta.block_hashes is not None:
+            source = meta.block_hashes
+            hashes = [block_hash(h) for h in source[start * per_key : end * per_key]]
+            parent_raw = source[start * per_key - 1] if start else meta.parent_block_hash
+            parent = block_hash(parent_raw) if parent_raw is not None else None
+            if per_key > 1:
+                fanout = self._fanout
+                for i in range(start, end):
+                    fanout.put(keys[i], hashes[(i - start) * per_key : (i - start + 1) * per_key])
+        else:
+            key_hash = self._key_hash
+            hashes = [key_hash(k) for k in keys[start:end]]
+            if start:
+                parent = key_hash(keys[start - 1])
+            elif meta.parent_block_hash is not None:
+                parent = block_hash(meta.parent_block_hash)
+            else:
+                parent = None
+        extra = meta.extra_keys
+        out.append(self._store_event(
+            hashes, parent, meta.token_ids[start * n : end * n], meta.block_size,
+            meta.lora_id, meta.lora_name,
+            list(extra[start * per_key : end * per_key]) if extra is not None else None,
+            _group_of(keys[start]), meta.kv_cache_spec_kind,
+            meta.kv_cache_spec_sliding_window, wire,
+        ))
+
+    def _store_event(
+        self, hashes: list[Any], parent: Hash | None, tokens: Sequence[int], block_size: int,
+        lora_id: int | None, lora_name: str | None, extra_keys: list[Any] | None, group: int,
+        spec_kind: str | None, sliding_window: int | None, wire: WireMedium,
+    ) -> BlockStored | ArrayBlockStored:
+        if self._stored_cls is BlockStored:
+            return BlockStored(
+                hashes, parent, tokens, block_size, lora_id, wire.medium, lora_name,
+                extra_keys, group, spec_kind, sliding_window, wire.locality, wire.ownership,
+            )
+        return ArrayBlockStored(
+            hashes, parent, tokens, block_size, lora_id, wire.medium, lora_name,
+            extra_keys, group, spec_kind, sliding_window,
+        )
+
+    def _removed(self, keys: Sequence[OffloadKey], wire: WireMedium, out: list[Any]) -> None:
+        key_hash, fanout = self._key_hash, self._fanout
+        for group, members in self._groups(keys):
+            if len(fanout):
+                hashes: list[Any] = []
+                for key in members:
+                    fanned = fanout.pop(key)
+                    if fanned is None:
+                        hashes.append(key_hash(key))
+                    else:
+                        hashes.extend(fanned)
+            else:
+                hashes = [key_hash(k) for k in members]
+            if self._removed_cls is BlockRemoved:
+                out.append(BlockRemoved(hashes, wire.medium, group, wire.locality, wire.ownership))
+            else:
+                out.append(ArrayBlockRemoved(hashes, wire.medium, group))

@@ -1,0 +1,306 @@
+"""The ZMQ publisher, end to end: a real SUB socket and a real replay client on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from aiokvo.errors import ConfigError
+from aiokvo.keys import OffloadKey, make_offload_key
+from aiokvo.manager.cpu import CPUOffloadingManager
+from aiokvo.specs import BlockMetadata, ReqContext
+from aiokvo.telemetry.kv_events import END_SEQ, KVEventPublisher
+from tests.telemetry import vllm_spec as spec
+
+pytestmark = pytest.mark.both_loops
+
+LOOPBACK = "tcp://127.0.0.1:0"
+CTX = ReqContext()
+
+
+def key(i: int) -> OffloadKey:
+    return make_offload_key(hashlib.sha256(f"block{i}".encode()).digest(), 0)
+
+
+def ext(k: OffloadKey) -> int:
+    return spec.external_hash(k[:-4])
+
+
+def store(manager: CPUOffloadingManager, keys: list[OffloadKey]) -> list[OffloadKey]:
+    out = manager.prepare_store(keys, CTX)
+    assert out is not None
+    manager.complete_store(out.keys_to_store)
+    return out.evicted_keys
+
+
+@pytest.fixture
+async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+class Sub:
+    """A SUB socket that is known to be subscribed: it has seen a probe batch."""
+
+    def __init__(self, sock: zmq.asyncio.Socket) -> None:
+        self.sock = sock
+
+    async def recv(self, timeout: float = 5.0) -> tuple[bytes, int, bytes]:
+        topic, seq, payload = await asyncio.wait_for(self.sock.recv_multipart(), timeout)
+        assert len(seq) == 8
+        return topic, int.from_bytes(seq, "big"), payload
+
+    async def recv_batch(self) -> tuple[int, spec.KVEventBatch]:
+        _, seq, payload = await self.recv()
+        return seq, spec.MAP_DECODER.decode(payload)
+
+
+async def subscribe(
+    zctx: zmq.asyncio.Context, publisher: KVEventPublisher, manager: CPUOffloadingManager,
+    prefix: bytes = b"",
+) -> tuple[Sub, int]:
+    """Connect a SUB and probe until it receives; returns it and the next seq to expect.
+
+    PUB drops everything until the subscription has reached it (ZMQ's slow
+    joiner), so this stores probe keys until one arrives instead of sleeping.
+    """
+    sock = zctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, prefix)
+    sock.connect(publisher.endpoint)
+    for attempt in range(200):
+        store(manager, [make_offload_key(b"probe" + attempt.to_bytes(4, "big"), 9)])
+        await publisher.flush()
+        if await sock.poll(25):
+            break
+    else:
+        raise AssertionError("the SUB socket never received a probe")
+    last = -1
+    while await sock.poll(25):
+        _, seq, _ = await sock.recv_multipart()
+        last = int.from_bytes(seq, "big")
+    return Sub(sock), last + 1
+
+
+async def test_sub_receives_stores_and_evictions_in_vllm_frames(
+    zctx: zmq.asyncio.Context,
+) -> None:
+    manager = CPUOffloadingManager(256)
+    async with KVEventPublisher(manager, LOOPBACK, topic="kv@pod-a@model",
+                                data_parallel_rank=3) as publisher:
+        assert publisher.endpoint.startswith("tcp://127.0.0.1:")
+        assert not publisher.endpoint.endswith(":0")
+        sub, seq0 = await subscribe(zctx, publisher, manager, prefix=b"kv@pod-a")
+        manager.complete_store([])  # nothing happens: no batch
+        k0, k1, k2 = key(0), key(1), key(2)
+        store(manager, [k0, k1])
+        await publisher.flush()
+        store(manager, [key(1000 + i) for i in range(manager.num_free_blocks)])  # full
+        await publisher.flush()
+        evicted = store(manager, [k2])
+        topic, seq, payload = await sub.recv()
+        assert (topic, seq) == (b"kv@pod-a@model", seq0)
+        batch = spec.MAP_DECODER.decode(payload)
+        assert batch.data_parallel_rank == 3
+        assert batch.events == [spec.BlockStored([ext(k0), ext(k1)], None, [], 0, None, "CPU",
+                                                 None, group_idx=0, locality="LOCAL")]
+        await sub.recv()  # the filler
+        seq, batch = await sub.recv_batch()
+        assert seq == seq0 + 2
+        # One tick, two manager events (an eviction, then a store): one batch.
+        assert len(evicted) == 1
+        assert batch.events == [
+            spec.BlockRemoved([ext(k) for k in evicted], "CPU", evicted[0][-1], "LOCAL"),
+            spec.BlockStored([ext(k2)], None, [], 0, None, "CPU", None, group_idx=0,
+                             locality="LOCAL"),
+        ]
+        stats = publisher.statistics()
+        assert stats.batches_sent == seq0 + 3
+        assert stats.events_dropped == 0 and stats.queued == 0
+
+
+async def test_self_describing_stores_carry_the_callers_metadata(
+    zctx: zmq.asyncio.Context,
+) -> None:
+    manager = CPUOffloadingManager(16)
+    async with KVEventPublisher(manager, LOOPBACK) as publisher:
+        sub, _ = await subscribe(zctx, publisher, manager)
+        keys = [key(i) for i in range(3)]
+        ctx = ReqContext(block_metadata=BlockMetadata(
+            token_ids=list(range(48)), block_size=16, lora_name="sql", lora_id=1))
+        out = manager.prepare_store(keys, ctx)
+        assert out is not None
+        publisher.describe(keys, ctx, only=out.keys_to_store)
+        manager.complete_store(out.keys_to_store)
+        _, batch = await sub.recv_batch()
+        (event,) = batch.events
+        assert isinstance(event, spec.BlockStored)
+        assert event.block_hashes == [ext(k) for k in keys]
+        assert event.token_ids == list(range(48)) and event.block_size == 16
+        assert (event.lora_name, event.lora_id, event.parent_block_hash) == ("sql", 1, None)
+        assert publisher.statistics().described_keys == 0
+
+
+async def test_a_replay_client_gets_buffered_batches_then_the_end_marker(
+    zctx: zmq.asyncio.Context,
+) -> None:
+    manager = CPUOffloadingManager(64)
+    async with KVEventPublisher(manager, LOOPBACK, replay_endpoint=LOOPBACK, topic="t",
+                                buffer_steps=4) as publisher:
+        assert publisher.replay_endpoint is not None
+        for i in range(6):
+            store(manager, [key(i)])
+            await publisher.flush()
+        assert publisher.statistics().buffer_batches == 4  # seqs 2..5
+
+        dealer = zctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(publisher.replay_endpoint)
+
+        async def replay(start: int) -> list[list[bytes]]:
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            frames = []
+            while True:
+                reply = await asyncio.wait_for(dealer.recv_multipart(), 5)
+                frames.append(reply)
+                if reply[2] == END_SEQ:
+                    return frames
+
+        replies = await replay(3)
+        assert [int.from_bytes(r[2], "big") for r in replies[:-1]] == [3, 4, 5]
+        for (empty, topic, _, payload), i in zip(replies[:-1], (3, 4, 5), strict=True):
+            assert (empty, topic) == (b"", b"t")
+            (event,) = spec.MAP_DECODER.decode(payload).events
+            assert event.block_hashes == [ext(key(i))]
+        assert replies[-1] == [b"", b"", END_SEQ, b""]
+        assert int.from_bytes(END_SEQ, "big", signed=True) == -1
+        # Older than the buffer: what is left; newer than the last: only the marker.
+        assert [int.from_bytes(r[2], "big") for r in (await replay(0))[:-1]] == [2, 3, 4, 5]
+        assert await replay(99) == [[b"", b"", END_SEQ, b""]]
+        # A malformed request gets no reply, and the next good one still works.
+        await dealer.send_multipart([b"", b"\x01", b"extra"])
+        assert len(await replay(5)) == 2
+        stats = publisher.statistics()
+        assert (stats.replays_served, stats.invalid_replay_requests) == (4, 1)
+        assert stats.replay_batches_sent == 3 + 4 + 0 + 1
+
+
+async def test_a_lagging_subscription_is_counted_and_can_clear_the_router(
+    zctx: zmq.asyncio.Context,
+) -> None:
+    manager = CPUOffloadingManager(64)
+    async with KVEventPublisher(manager, LOOPBACK, max_queue=2, on_lag="clear",
+                                replay_endpoint=LOOPBACK) as publisher:
+        for i in range(5):  # one tick, five events, room for two
+            store(manager, [key(i)])
+        await publisher.flush()
+        stats = publisher.statistics()
+        assert (stats.events_dropped, stats.lag_clears, stats.batches_sent) == (3, 1, 1)
+        dealer = zctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(publisher.replay_endpoint or "")
+        await dealer.send_multipart([b"", bytes(8)])
+        _, _, _, payload = await asyncio.wait_for(dealer.recv_multipart(), 5)
+        events = spec.MAP_DECODER.decode(payload).events
+        assert isinstance(events[0], spec.AllBlocksCleared)
+        assert [e.block_hashes for e in events[1:]] == [[ext(key(3))], [ext(key(4))]]
+
+
+async def test_no_subscriber_never_blocks_and_the_buffer_stays_bounded() -> None:
+    manager = CPUOffloadingManager(1)
+    async with KVEventPublisher(manager, LOOPBACK, hwm=1, buffer_steps=1000,
+                                max_buffer_bytes=500) as publisher:
+        for i in range(300):
+            store(manager, [key(i)])
+            await publisher.flush()
+        stats = publisher.statistics()
+        assert stats.batches_sent == 300 and stats.send_errors == 0
+        assert stats.buffer_bytes <= 500 and 0 < stats.buffer_batches < 300
+
+
+async def test_array_encoding_over_the_wire(zctx: zmq.asyncio.Context) -> None:
+    manager = CPUOffloadingManager(4)
+    async with KVEventPublisher(manager, LOOPBACK, encoding="array") as publisher:
+        sub, _ = await subscribe(zctx, publisher, manager)
+        store(manager, [key(0)])
+        _, _, payload = await sub.recv()
+        batch = spec.ARRAY_DECODER.decode(payload)
+        assert batch.events == [spec.OldBlockStored([ext(key(0))], None, [], 0, None, "CPU",
+                                                    None, None, 0)]
+
+
+async def test_connect_mode_reaches_a_bound_subscriber(zctx: zmq.asyncio.Context) -> None:
+    sock = zctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.bind(LOOPBACK)
+    endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    manager = CPUOffloadingManager(300)
+    async with KVEventPublisher(manager, endpoint) as publisher:  # a host address: connects
+        assert publisher.endpoint == endpoint
+        for i in range(200):
+            store(manager, [key(i)])
+            await publisher.flush()
+            if await sock.poll(25):
+                break
+        _, _, payload = await sock.recv_multipart()
+        assert spec.MAP_DECODER.decode(payload).events[0].medium == "CPU"
+
+
+async def test_close_publishes_what_is_queued_and_is_final() -> None:
+    manager = CPUOffloadingManager(8)
+    publisher = KVEventPublisher(manager, LOOPBACK)
+    await publisher.aclose()  # never started: nothing to do
+    with pytest.raises(ConfigError, match="closed"):
+        await publisher.start()
+
+    publisher = KVEventPublisher(manager, LOOPBACK)
+    async with publisher:
+        store(manager, [key(0)])
+        store(manager, [key(1)])  # still queued when the block ends
+    stats = publisher.statistics()
+    assert (stats.batches_sent, stats.events_sent) == (1, 2)
+    await publisher.aclose()  # idempotent
+    store(manager, [key(2)])  # the subscription is gone: the manager does not care
+    assert publisher.statistics().events_sent == 2
+    # The port is free again.
+    async with KVEventPublisher(manager, publisher.endpoint) as again:
+        assert again.endpoint == publisher.endpoint
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        ((CPUOffloadingManager(1), "127.0.0.1:5557"), {}, "endpoint must be a ZMQ endpoint"),
+        ((object(), LOOPBACK), {}, "source must have a subscribe"),
+        ((CPUOffloadingManager(1), LOOPBACK), {"encoding": "xml"}, "encoding must be one of"),
+        ((CPUOffloadingManager(1), LOOPBACK), {"on_lag": "panic"}, "on_lag must be one of"),
+        ((CPUOffloadingManager(1), LOOPBACK), {"max_queue": 0}, "max_queue must be an int >= 1"),
+        ((CPUOffloadingManager(1), LOOPBACK), {"topic": b"x"}, "topic must be a str"),
+        ((CPUOffloadingManager(1), LOOPBACK), {"bind": "yes"}, "bind must be a bool"),
+        ((CPUOffloadingManager(1), LOOPBACK), {"data_parallel_rank": -1},
+         "data_parallel_rank must be an int >= 0, got -1"),
+    ],
+)
+def test_bad_options_are_refused_up_front(
+    args: tuple[object, ...], kwargs: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        KVEventPublisher(*args, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_a_port_in_use_fails_start_and_leaks_no_socket() -> None:
+    manager = CPUOffloadingManager(1)
+    async with KVEventPublisher(manager, LOOPBACK) as first:
+        second = KVEventPublisher(manager, first.endpoint, bind=True)
+        with pytest.raises(zmq.ZMQError):
+            await second.start()
+        store(manager, [key(0)])  # the failed publisher did not subscribe
+        await first.flush()
+        assert first.statistics().events_sent == 1
