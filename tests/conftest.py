@@ -1,6 +1,12 @@
-"""Suite-wide fixtures: every async test runs on uvloop (and the stdlib loop
-where a test asks for both), GPU tests skip cleanly without a device, and a
-watchdog turns a hung test into a failure with every thread's stack."""
+"""The suite's hang guard: a watchdog turns a hung test into a failure with
+every thread's stack.
+
+Everything a user's suite could want too lives in aiokvo's pytest plugin
+(``aiokvo.testing``), which this suite uses like any other: the ``gpu``
+markers skip without a device, and ``aiokvo_loop_factories`` in pyproject
+runs every async test on uvloop (``both_loops`` tests on the stdlib loop
+too). This file only wraps those loop factories so the watchdog can wake a
+stuck loop."""
 
 from __future__ import annotations
 
@@ -18,49 +24,26 @@ from types import FrameType
 
 import pytest
 
-try:
-    import uvloop
-except ImportError:  # pragma: no cover - uvloop is a declared dependency
-    uvloop = None
+LoopFactory = Callable[[], asyncio.AbstractEventLoop]
 
 
+@pytest.hookimpl(wrapper=True)
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
-) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
-    """uvloop for every async test; tests marked ``both_loops`` also get asyncio."""
-    factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {}
-    if uvloop is not None:
-        factories["uvloop"] = _tracked(uvloop.new_event_loop)
-    if uvloop is None or item.get_closest_marker("both_loops") is not None:
-        factories["asyncio"] = _tracked(asyncio.new_event_loop)
-    return factories
+) -> Generator[None, Mapping[str, LoopFactory] | None, Mapping[str, LoopFactory] | None]:
+    """The plugin's loops (``aiokvo_loop_factories`` in pyproject), known to the hang guard."""
+    factories = yield
+    if factories is None:
+        return None
+    return {name: _tracked(factory) for name, factory in factories.items()}
 
 
-def _tracked(
-    factory: Callable[[], asyncio.AbstractEventLoop],
-) -> Callable[[], asyncio.AbstractEventLoop]:
+def _tracked(factory: LoopFactory) -> LoopFactory:
     """``factory``, with its loops known to the hang guard (see below)."""
     if _watchdog is None:
         return factory
     watchdog = _watchdog
     return lambda: watchdog.track(factory())
-
-
-def _cuda_device_count() -> int:
-    try:
-        from cuda.bindings import runtime
-    except ImportError:
-        return 0
-    err, count = runtime.cudaGetDeviceCount()
-    return int(count) if int(err) == 0 else 0
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if any(item.get_closest_marker("gpu") for item in items) and _cuda_device_count() == 0:
-        skip = pytest.mark.skip(reason="needs a CUDA device (none found)")
-        for item in items:
-            if item.get_closest_marker("gpu"):
-                item.add_marker(skip)
 
 
 # -- hang guard -----------------------------------------------------------------

@@ -1,0 +1,51 @@
+"""Test support for projects built on aiokvo (and for aiokvo's own suite).
+
+The pytest plugin (:mod:`aiokvo.testing.plugin`, loaded automatically)
+brings the GPU markers, the opt-in event-loop factories and the fixtures;
+this package holds what a test imports directly:
+
+* :func:`drain` and :func:`assert_no_leaks` (:mod:`aiokvo.testing.leaks`);
+* :func:`make_kv_caches` and :class:`KVCaches` (:mod:`aiokvo.testing.kv`,
+  needs torch);
+* :func:`probe_gpus`, :class:`GpuInfo`, :class:`GpuInventory`
+  (:mod:`aiokvo.testing.gpu`).
+
+Names resolve lazily, so the plugin's import at pytest start-up loads
+neither torch nor CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aiokvo.testing.gpu import GpuInfo, GpuInventory, probe_gpus
+    from aiokvo.testing.kv import KVCaches, make_kv_caches
+    from aiokvo.testing.leaks import assert_no_leaks, drain, leaked_threads
+
+__all__ = [
+    "GpuInfo",
+    "GpuInventory",
+    "KVCaches",
+    "assert_no_leaks",
+    "drain",
+    "leaked_threads",
+    "make_kv_caches",
+    "probe_gpus",
+]
+
+_WHERE = {
+    "GpuInfo": "gpu", "GpuInventory": "gpu", "probe_gpus": "gpu",
+    "KVCaches": "kv", "make_kv_caches": "kv",
+    "assert_no_leaks": "leaks", "drain": "leaks", "leaked_threads": "leaks",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aiokvo.testing' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,161 @@
+"""Test helpers: wait for in-flight work, then check that nothing was left behind.
+
+Everything is read through public APIs (a manager's ``block_status``,
+``num_free_blocks`` and ``len()``; a handler's ``in_flight``; the fake
+driver's live-object counts; thread names), so the checks hold for any
+manager or backend that keeps aiokvo's contract, not just the built-in ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import time
+from collections.abc import Awaitable, Iterable
+from typing import Any, Protocol, cast
+
+from aiokvo.errors import ConfigError
+from aiokvo.keys import OffloadKey
+from aiokvo.manager.policies.base import WRITING, BlockStatus
+from aiokvo.specs import TransferResult
+
+__all__ = ["assert_no_leaks", "drain", "leaked_threads"]
+
+THREAD_PREFIX = "aiokvo-"
+POLLER_THREAD_PREFIX = "aiokvo-waiter-"
+"""The event poller's waiter threads: the loop's, not any handler's (they end
+when the loop closes or after the poller's ``idle_thread_timeout``)."""
+
+
+class _Manager(Protocol):
+    def block_status(self, key: OffloadKey) -> BlockStatus | None: ...
+
+    def __len__(self) -> int: ...
+
+
+class _InFlight(Protocol):
+    @property
+    def in_flight(self) -> int: ...
+
+
+async def drain(*work: object, timeout: float = 30.0) -> list[TransferResult]:
+    """Wait until ``work`` is done: each transfer task resolved, each handler idle.
+
+    ``work`` holds transfer tasks (anything awaitable that resolves to a
+    ``TransferResult``) and handlers (anything with ``in_flight``). Returns
+    the tasks' results in the order given; a task never raises for a failed
+    copy, its result says so. Raises ``AssertionError`` after ``timeout``
+    seconds, naming what is still in flight.
+    """
+    tasks: list[Awaitable[TransferResult]] = []
+    handlers: list[_InFlight] = []
+    for item in work:
+        if hasattr(item, "in_flight"):
+            handlers.append(cast(_InFlight, item))
+        elif inspect.isawaitable(item):
+            tasks.append(cast(Awaitable[TransferResult], item))
+        else:
+            raise ConfigError(f"drain takes transfer tasks and handlers, got {item!r}")
+    deadline = time.monotonic() + timeout
+    futures = [asyncio.ensure_future(t) for t in tasks]
+    if futures:
+        _, pending = await asyncio.wait(futures, timeout=timeout)  # cancels nothing
+        if pending:
+            stuck = [t for t, f in zip(tasks, futures, strict=True) if f in pending]
+            raise AssertionError(
+                f"{len(stuck)} transfers still in flight after {timeout:g} s: {stuck!r}"
+            )
+    while busy := [h for h in handlers if h.in_flight]:
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"handlers still busy after {timeout:g} s: {busy!r}")
+        await asyncio.sleep(0.001)
+    return [f.result() for f in futures]
+
+
+def leaked_threads(
+    prefix: str = THREAD_PREFIX, *, wait: float = 1.0, ignore: Iterable[threading.Thread] = (),
+    ignore_prefixes: tuple[str, ...] = (POLLER_THREAD_PREFIX,),
+) -> list[threading.Thread]:
+    """Live threads named ``prefix*`` (waiting up to ``wait`` s for them to end).
+
+    Threads in ``ignore`` and those named ``ignore_prefixes*`` (by default the
+    event poller's waiters, which belong to the loop) are not counted.
+    """
+    ignored = set(ignore)
+    deadline = time.monotonic() + wait
+    while True:
+        alive = [t for t in threading.enumerate()
+                 if t.name.startswith(prefix) and not t.name.startswith(ignore_prefixes)
+                 and t.is_alive() and t not in ignored]
+        left = deadline - time.monotonic()
+        if not alive or left <= 0:
+            return alive
+        alive[0].join(min(left, 0.05))
+
+
+def assert_no_leaks(
+    manager: _Manager | None = None,
+    keys: Iterable[OffloadKey] = (),
+    *,
+    num_blocks: int | None = None,
+    driver: Any = None,
+    threads: bool = True,
+    thread_wait: float = 1.0,
+    ignore_threads: Iterable[threading.Thread] = (),
+) -> None:
+    """Fail (``AssertionError``) if anything outlived the work that used it.
+
+    * ``manager`` and ``keys``: no key is pinned by a load (``ref_cnt > 0``)
+      or reserved by a store that never completed (``ref_cnt == -1``);
+      with ``num_blocks``, every block is either cached or free
+      (``len(manager) + manager.num_free_blocks == num_blocks``).
+    * ``driver`` (a :class:`~aiokvo.device.fake.FakeDriver`): no stream,
+      event, pinned registration or host allocation is still alive (the
+      framework's current stream, ``driver.current_stream()``, is torch's,
+      not aiokvo's, and is not counted).
+    * ``threads``: no thread named ``aiokvo-*`` is still running (each may
+      take ``thread_wait`` seconds to finish after its owner closed), except
+      the event poller's waiters (``aiokvo-waiter-*``), which serve the loop.
+
+    Call it after closing what the test opened. Every problem is listed.
+    """
+    problems: list[str] = []
+    if manager is not None:
+        pinned: list[str] = []
+        writing: list[str] = []
+        for key in keys:
+            status = manager.block_status(key)
+            if status is None:
+                continue
+            if status.ref_cnt == WRITING:
+                writing.append(f"{key!r} (block {status.block_id})")
+            elif status.ref_cnt > 0:
+                pinned.append(f"{key!r} (block {status.block_id}, {status.ref_cnt} pins)")
+        if pinned:
+            problems.append(f"{len(pinned)} keys still pinned by loads: {', '.join(pinned)}")
+        if writing:
+            problems.append(f"{len(writing)} keys still reserved by stores that never completed: "
+                            f"{', '.join(writing)}")
+        if num_blocks is not None:
+            free = getattr(manager, "num_free_blocks", None)
+            if free is None:
+                problems.append("num_blocks given, but the manager has no num_free_blocks")
+            elif len(manager) + free != num_blocks:
+                problems.append(f"blocks leaked: {len(manager)} cached + {free} free != "
+                                f"{num_blocks} blocks")
+    if driver is not None:
+        driver.current_stream()  # make sure it exists, so that it can be left out
+        counts = {"streams": driver.live_streams - 1, "events": driver.live_events,
+                  "host allocations": driver.live_host_allocations}
+        for what, count in counts.items():
+            if count:
+                problems.append(f"fake driver: {count} {what} still alive")
+        if driver.registered:
+            problems.append(f"fake driver: host memory still registered: {driver.registered!r}")
+    if threads:
+        alive = leaked_threads(wait=thread_wait, ignore=ignore_threads)
+        if alive:
+            problems.append("threads still running: " + ", ".join(t.name for t in alive))
+    if problems:
+        raise AssertionError("aiokvo resources leaked:\n  " + "\n  ".join(problems))

@@ -1,0 +1,183 @@
+"""aiokvo's pytest plugin (entry point ``pytest11: aiokvo``), for users' own suites.
+
+Loaded automatically wherever aiokvo is installed; ``-p no:aiokvo`` turns it
+off. What it adds (docs/testing.md has the walk-through):
+
+* **Markers** ``gpu``, ``gpu(n)``, ``multi_gpu(n=2)``, ``min_gpu_memory(gib)``:
+  skip with a reason unless enough CUDA devices (with enough total memory)
+  are visible. Deciding never initialises CUDA in the test process
+  (:mod:`aiokvo.testing.gpu`); ``pytest_aiokvo_gpus`` can supply the
+  inventory instead.
+* **Event loops**, opt-in per project: ``aiokvo_loop_factories = uvloop
+  asyncio`` in the ini file (or ``--aiokvo-loops=uvloop,asyncio``) runs each
+  async test on those loops through pytest-asyncio's
+  ``pytest_asyncio_loop_factories`` hook; ``@pytest.mark.both_loops`` runs
+  one test on both. Without the option the plugin leaves the loop alone.
+* **Fixtures**: ``kv_caches`` (a factory of engine-shaped KV caches, CPU or
+  GPU), ``fake_cuda_driver`` (the CUDA backend without a GPU),
+  ``disk_tier_path`` (an owner-only directory for a disk tier) and
+  ``aiokvo_leak_check`` (fails the test if it left ``aiokvo-*`` threads
+  running); the helpers ``aiokvo.testing.drain`` and ``assert_no_leaks``.
+
+Coming with the features they need (not here yet): an ``offloader`` fixture
+(with the Offloader) and a throwaway local Mooncake cluster fixture (with
+the Mooncake tier, when Mooncake is installed).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from aiokvo.testing import hookspecs
+from aiokvo.testing.gpu import GpuInventory, probe_gpus, requirement
+from aiokvo.testing.loops import LOOP_NAMES, LoopFactories
+
+if TYPE_CHECKING:
+    from aiokvo.device.fake import FakeDriver
+    from aiokvo.testing.kv import KVCaches
+
+INI_LOOPS = "aiokvo_loop_factories"
+GPU_MARKERS = ("gpu", "multi_gpu", "min_gpu_memory")
+_INVENTORY = pytest.StashKey[GpuInventory]()
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    pluginmanager.add_hookspecs(hookspecs)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini(
+        INI_LOOPS, type="args", default=[],
+        help="event loops every async test runs on (uvloop, asyncio); empty: leave "
+        "pytest-asyncio's default loop alone",
+    )
+    group = parser.getgroup("aiokvo")
+    group.addoption(
+        "--aiokvo-loops", metavar="NAMES", default=None,
+        help=f"comma-separated event loops for async tests ({', '.join(LOOP_NAMES)}); "
+        f"overrides the {INI_LOOPS} ini option",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in (
+        "gpu(n=1): needs n CUDA devices; skipped with a reason otherwise",
+        "multi_gpu(n=2): needs n CUDA devices; skipped with a reason otherwise",
+        "min_gpu_memory(gib): needs a CUDA device with at least gib GiB of memory",
+        "both_loops: run this async test on uvloop and on the stdlib loop "
+        f"(with {INI_LOOPS} set)",
+    ):
+        config.addinivalue_line("markers", line)
+    option = config.getoption("--aiokvo-loops")
+    names = ([n.strip() for n in option.split(",") if n.strip()] if option is not None
+             else list(config.getini(INI_LOOPS)))
+    if not names:
+        return
+    if not config.pluginmanager.hasplugin("asyncio"):
+        raise pytest.UsageError(f"{INI_LOOPS} needs pytest-asyncio (>= 1.4), which is not loaded")
+    try:
+        factories = LoopFactories(names)
+    except ValueError as exc:
+        raise pytest.UsageError(f"{INI_LOOPS}: {exc}") from None
+    config.pluginmanager.register(factories, "aiokvo-loop-factories")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_aiokvo_gpus(config: pytest.Config) -> GpuInventory:
+    return probe_gpus()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    marked = [item for item in items
+              if any(item.get_closest_marker(name) for name in GPU_MARKERS)]
+    if not marked:
+        return  # no probe at all for suites without GPU tests
+    inventory = config.stash.get(_INVENTORY, None)
+    if inventory is None:
+        inventory = config.stash[_INVENTORY] = config.hook.pytest_aiokvo_gpus(config=config)
+    for item in marked:
+        args = [m.args if (m := item.get_closest_marker(name)) else None for name in GPU_MARKERS]
+        try:
+            needed = requirement(args[0], args[1], args[2], item.nodeid)
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        reason = needed.unmet(inventory)
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    names = config.pluginmanager.get_plugin("aiokvo-loop-factories")
+    if isinstance(names, LoopFactories):
+        return f"aiokvo: async tests run on {', '.join(names.names)}"
+    return None
+
+
+# -- fixtures -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def kv_caches() -> Callable[..., KVCaches]:
+    """A factory of engine-shaped KV caches: ``kv_caches(layers=2, blocks=64, dtype=...)``.
+
+    Keyword arguments as :func:`aiokvo.testing.kv.make_kv_caches` (also
+    ``block_size``, ``kv_heads``, ``head_dim``, ``device``, ``layout``,
+    ``seed``). ``device="cuda"`` skips the test when no CUDA device is usable.
+    """
+    from aiokvo.testing.kv import make_kv_caches
+
+    def make(**kwargs: Any) -> KVCaches:
+        device = str(kwargs.get("device", "cpu"))
+        if device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                pytest.skip(f"kv_caches(device={device!r}) needs a CUDA device")
+        return make_kv_caches(**kwargs)
+
+    return make
+
+
+@pytest.fixture
+def fake_cuda_driver() -> Iterator[FakeDriver]:
+    """:class:`aiokvo.device.fake.FakeDriver`: pass it as ``driver=`` to CUDA-backend objects.
+
+    Host memory stands in for device memory and each stream is a thread, so
+    the CUDA backend's code paths (streams, events, pinned memory, kernels)
+    run without a GPU. Its stream threads are stopped after the test.
+    """
+    from aiokvo.device.fake import FakeDriver
+
+    driver = FakeDriver()
+    yield driver
+    driver.close()
+
+
+@pytest.fixture
+def disk_tier_path(tmp_path: Path) -> Path:
+    """An empty directory for a disk tier: owned by this user, mode 0700, not a symlink."""
+    path = tmp_path / "aiokvo-disk"
+    os.mkdir(path, 0o700)
+    os.chmod(path, 0o700)  # the umask may have narrowed mkdir's mode, never widened it
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() \
+            or stat.S_IMODE(info.st_mode) != 0o700:
+        raise AssertionError(f"{path} is not an owner-only directory: {info!r}")
+    return path
+
+
+@pytest.fixture
+def aiokvo_leak_check() -> Iterator[None]:
+    """Fail the test if ``aiokvo-*`` threads it started are still running afterwards."""
+    from aiokvo.testing.leaks import assert_no_leaks
+
+    before = [t for t in threading.enumerate() if t.name.startswith("aiokvo-")]
+    yield
+    assert_no_leaks(ignore_threads=before)
