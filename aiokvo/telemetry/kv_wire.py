@@ -238,6 +238,11 @@ class _Generations:
         self._old.clear()
 
 
+def _too_short(name: str, values: Sequence[object], keys: int, per_key: int) -> ConfigError:
+    return ConfigError(f"{name} has {len(values)} entries, but {keys} keys of "
+                       f"{per_key} blocks need {keys * per_key}")
+
+
 def _group_of(key: OffloadKey) -> int:
     return int.from_bytes(key[-GROUP_IDX_BYTES:], "big")
 
@@ -348,20 +353,17 @@ class EventTranslator:
         if not isinstance(keys, list | tuple):
             keys = list(keys)
         count = len(keys)
-        needed = count * metadata.tokens_per_key
-        if len(metadata.token_ids) < needed:
+        per_key = metadata.blocks_per_key
+        if len(metadata.token_ids) < count * per_key * metadata.block_size:
             raise ConfigError(
                 f"token_ids has {len(metadata.token_ids)} tokens, but {count} keys of "
-                f"{metadata.tokens_per_key} tokens need {needed}"
+                f"{metadata.tokens_per_key} tokens need {count * metadata.tokens_per_key}"
             )
-        blocks = count * metadata.blocks_per_key
-        for name in ("block_hashes", "extra_keys"):
-            values = getattr(metadata, name)
-            if values is not None and len(values) < blocks:
-                raise ConfigError(
-                    f"{name} has {len(values)} entries, but {count} keys of "
-                    f"{metadata.blocks_per_key} blocks need {blocks}"
-                )
+        blocks = count * per_key
+        if metadata.block_hashes is not None and len(metadata.block_hashes) < blocks:
+            raise _too_short("block_hashes", metadata.block_hashes, count, per_key)
+        if metadata.extra_keys is not None and len(metadata.extra_keys) < blocks:
+            raise _too_short("extra_keys", metadata.extra_keys, count, per_key)
         if only is not None:
             missing = set(only).difference(keys)
             if missing:

@@ -1,0 +1,411 @@
+"""KV-event publishing: aiokvo's KVEventPublisher vs vLLM's ZmqEventPublisher, same stream.
+
+Two sections, each measured side by side in one run:
+
+1. **Events per second.** bench_manager.py's trace (prefix-tree sequences of
+   64 keys, Zipf popularity) drives a CPUOffloadingManager warmed to steady
+   state; its events are recorded in steps of ``--requests-per-step``
+   requests (one scheduler step, one batch). Both publishers then replay that
+   stream to a SUB consumer in another process on loopback:
+
+   * aiokvo: the events are pushed into the publisher's subscription as the
+     manager pushes them, the loop yields once per step, and the publisher
+     translates, encodes and sends one batch per step; the clock stops when
+     it has sent everything (``flush()``).
+   * vLLM 0.32 (``--peer PYTHON``, its own venv): what its scheduler does for
+     offload events per step (``OffloadingEventsTracker.take_events``, one
+     ``KVEventBatch``, ``publish()``) and its publisher thread (encode, send);
+     the clock stops when the thread has sent every batch.
+
+   Both publish placeholder stores (vLLM's default, no request metadata);
+   aiokvo puts a step's stores of one group in one event, vLLM one event per
+   key, so the table reports KV events, block hashes and wall time for the
+   whole stream. The consumer checks every batch arrived (no seq gap).
+
+2. **Manager cost, publisher on vs off.** Four managers replay the same
+   steady-state requests in lockstep rounds, rotating which goes first: one
+   with nobody subscribed; one with a bare subscription drained each step
+   (the manager's own cost of making events); one with a publisher attached
+   (placeholder events); one with a publisher and ``describe(keys, ctx,
+   only=keys_to_store)`` per stored request (self-describing events). Only
+   the synchronous request loop is timed ("scheduler" µs/req: the manager
+   calls, plus ``describe`` for the last); what runs on the loop between
+   steps (the publisher's work) is timed separately. Paired differences
+   against "off" give mean ± standard error. ``--manager-steps`` sets the
+   requests per step (a real engine step carries tens to hundreds).
+
+    python benchmarks/bench_kv_events.py --peer /path/to/vllm-venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import itertools
+import json
+import os
+import pickle
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_manager import SEQ_LEN, Trace, warm_up
+
+import aiokvo
+from aiokvo.events import EventSubscription
+from aiokvo.keys import OffloadKey
+from aiokvo.manager.cpu import CPUOffloadingManager
+from aiokvo.manager.sink import EventSink, OverflowPolicy
+from aiokvo.specs import BlockMetadata, OffloadingEvent, ReqContext
+from aiokvo.telemetry.kv_events import KVEventPublisher
+
+PEER_SCRIPT = Path(__file__).with_name("_peer_kv_events.py")
+TOKENS_PER_KEY = 16
+
+Step = list[tuple[bool, list[bytes]]]
+
+
+# -- the stream ------------------------------------------------------------------------
+
+
+def record_stream(trace: Trace, policy: str, requests_per_step: int,
+                  warm_chunk: int) -> list[Step]:
+    """The events a steady-state manager makes, grouped by step."""
+    sequences, requests = trace.key_lists(), trace.requests.tolist()
+    manager = CPUOffloadingManager(trace.capacity, policy)
+    warm, _ = warm_up(manager, sequences, requests, warm_chunk, 0.005)
+    ctx = ReqContext()
+    sink_steps: list[Step] = []
+    sub = manager.subscribe(maxsize=1 << 20)
+    for start in range(warm, len(requests), requests_per_step):
+        for seq_idx in requests[start : start + requests_per_step]:
+            run_request(manager, sequences[seq_idx], ctx)
+        items = sub.drain_nowait()
+        assert all(isinstance(item, OffloadingEvent) for item in items)
+        sink_steps.append([(e.removed, list(e.keys)) for e in items
+                           if isinstance(e, OffloadingEvent)])
+    sub.close()
+    return sink_steps
+
+
+def run_request(manager: CPUOffloadingManager, keys: list[OffloadKey], ctx: ReqContext,
+                publisher: KVEventPublisher | None = None) -> None:
+    """bench_manager.py's request (``lookup_prefix`` form)."""
+    hits = manager.lookup_prefix(keys, ctx) or 0
+    if hits:
+        loaded = keys[:hits]
+        manager.prepare_load(loaded, ctx)
+        manager.complete_load(loaded)
+    out = manager.prepare_store(keys[hits:], ctx)
+    manager.touch(keys)
+    if out is not None and out.keys_to_store:
+        if publisher is not None:
+            publisher.describe(keys, ctx, only=out.keys_to_store)
+        manager.complete_store(out.keys_to_store)
+
+
+# -- the consumer (a separate process) -------------------------------------------------
+
+
+def consume(endpoint: str, expect: int, idle: float) -> int:
+    """SUB side: receive ``expect`` batches (or stop after ``idle`` s of silence)."""
+    import msgspec
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(endpoint)
+    print(json.dumps({"connected": True}), flush=True)
+    payloads: list[bytes] = []
+    seqs: list[int] = []
+    first = last = 0.0
+    while expect < 0 or len(payloads) < expect:
+        if not sock.poll(int(idle * 1000)):
+            break
+        _, seq, payload = sock.recv_multipart()
+        last = time.perf_counter()
+        first = first or last
+        seqs.append(int.from_bytes(seq, "big"))
+        payloads.append(payload)
+    decoder = msgspec.msgpack.Decoder()
+    events = sum(len(decoder.decode(p)[1]) for p in payloads)
+    gaps = sum(1 for a, b in itertools.pairwise(seqs) if b != a + 1)
+    print(json.dumps({"received": len(payloads), "events": events, "gaps": gaps,
+                      "first_seq": seqs[0] if seqs else None, "seconds": last - first}),
+          flush=True)
+    sock.close(linger=0)
+    ctx.term()
+    return 0
+
+
+class Consumer:
+    """A consumer subprocess in this interpreter."""
+
+    def __init__(self, endpoint: str, expect: int, idle: float = 2.0) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--consume", endpoint, "--expect", str(expect),
+             "--idle", str(idle)],
+            stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = json.loads(self.proc.stdout.readline())
+        assert line == {"connected": True}, line
+
+    def result(self) -> dict[str, Any]:
+        out, _ = self.proc.communicate(timeout=120)
+        return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- section 1: events per second ------------------------------------------------------
+
+
+class SinkSource:
+    """A publisher source fed by hand: what a manager's subscribe() gives."""
+
+    def __init__(self) -> None:
+        self.sink = EventSink(record=False)
+
+    def subscribe(self, *, maxsize: int = 1024,
+                  overflow: OverflowPolicy = "drop_oldest") -> EventSubscription:
+        return EventSubscription(self.sink, maxsize=maxsize, overflow=overflow)
+
+
+@dataclass
+class Run:
+    seconds: float
+    batches: int
+    events: int
+    hashes: int
+    consumer: dict[str, Any]
+
+
+async def run_aiokvo(steps: list[list[OffloadingEvent]], batches: int, settle: float) -> Run:
+    source = SinkSource()
+    publish = source.sink.publish
+    async with KVEventPublisher(source, "tcp://127.0.0.1:0") as publisher:
+        consumer = Consumer(publisher.endpoint, batches)
+        await asyncio.sleep(settle)  # the SUB's subscription reaches the PUB
+        gc.collect()
+        start = time.perf_counter()
+        for step in steps:
+            for event in step:
+                publish(event)
+            await asyncio.sleep(0)  # the scheduler awaits between steps
+        await publisher.flush()
+        elapsed = time.perf_counter() - start
+        stats = publisher.statistics()
+        result = consumer.result()
+    hashes = sum(len(e.keys) for step in steps for e in step)
+    return Run(elapsed, stats.batches_sent, stats.events_sent, hashes, result)
+
+
+def run_vllm(python: str, stream_path: str, batches: int, settle: float) -> Run:
+    port = free_port()
+    proc = subprocess.Popen([python, str(PEER_SCRIPT), stream_path, str(port)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    ready = json.loads(proc.stdout.readline())
+    assert ready == {"ready": True}, ready
+    consumer = Consumer(f"tcp://127.0.0.1:{port}", batches)
+    time.sleep(settle)
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    row = json.loads(proc.stdout.readline())
+    proc.wait(timeout=60)
+    return Run(row["seconds"], row["batches"], row["events"], row["hashes"], consumer.result())
+
+
+def events_section(args: argparse.Namespace) -> None:
+    trace = Trace.generate(args.capacity, args.warm_requests + args.requests, args.seed)
+    t0 = time.perf_counter()
+    steps = record_stream(trace, args.policy, args.requests_per_step,
+                          max(10_000, args.capacity // 20))
+    steps = [s for s in steps if s][: args.requests // args.requests_per_step]
+    batches = len(steps)
+    keys_total = sum(len(k) for s in steps for _, k in s)
+    print(f"# stream: {batches:,} non-empty steps of {args.requests_per_step} requests, "
+          f"{sum(len(s) for s in steps):,} manager events, {keys_total:,} keys "
+          f"(recorded in {time.perf_counter() - t0:.1f}s)")
+    aiokvo_steps = [[OffloadingEvent([OffloadKey(k) for k in keys], "CPU", removed)
+                     for removed, keys in step] for step in steps]
+    with tempfile.TemporaryDirectory() as tmp:
+        stream_path = os.path.join(tmp, "stream.pkl")
+        with open(stream_path, "wb") as f:
+            pickle.dump(steps, f, protocol=5)
+        runs: dict[str, list[Run]] = {"aiokvo": [], "vLLM 0.32": []}
+        for _ in range(args.repeat):
+            runs["aiokvo"].append(aiokvo.run(run_aiokvo(aiokvo_steps, batches, args.settle)))
+            if args.peer:
+                runs["vLLM 0.32"].append(run_vllm(args.peer, stream_path, batches, args.settle))
+    print()
+    print(f"Same stream, best of {args.repeat} interleaved rounds (wall time to publish "
+          "it all; consumer = a SUB in another process):")
+    print("| publisher | seconds | batches/s | manager events/s | block hashes/s | "
+          "KV events sent | consumer got | gaps |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    best: dict[str, Run] = {}
+    manager_events = sum(len(s) for s in steps)
+    for name, rs in runs.items():
+        if not rs:
+            continue
+        r = best[name] = min(rs, key=lambda r: r.seconds)
+        got = r.consumer
+        print(f"| {name} | {r.seconds:.3f} | {r.batches / r.seconds:,.0f} | "
+              f"{manager_events / r.seconds:,.0f} | {r.hashes / r.seconds:,.0f} | "
+              f"{r.events:,} | {got['received']:,}/{r.batches:,} | {got['gaps']} |")
+    if "vLLM 0.32" in best:
+        ours, peer = best["aiokvo"], best["vLLM 0.32"]
+        print(f"\n  speed-up, same stream (vLLM seconds / aiokvo seconds): "
+              f"{peer.seconds / ours.seconds:.2f}x  (per round: "
+              + ", ".join(f"{p.seconds / o.seconds:.2f}x" for o, p in
+                          zip(runs["aiokvo"], runs["vLLM 0.32"], strict=True)) + ")")
+        print("  (vLLM sends one placeholder BlockStored per key, aiokvo one per group and "
+              "step: the same hashes)")
+
+
+# -- section 2: manager cost -----------------------------------------------------------
+
+
+async def manager_section(args: argparse.Namespace, per_step: int) -> None:
+    capacity, chunk = args.capacity, args.chunk
+    chunk -= chunk % per_step
+    trace = Trace.generate(capacity, args.warm_requests + args.paired_requests, args.seed + 1)
+    sequences, requests = trace.key_lists(), trace.requests.tolist()
+    contexts = [
+        ReqContext(block_metadata=BlockMetadata(
+            token_ids=list(range(i * SEQ_LEN * TOKENS_PER_KEY, (i + 1) * SEQ_LEN * TOKENS_PER_KEY)),
+            block_size=TOKENS_PER_KEY))
+        for i in range(len(sequences))
+    ]
+    names = ("off", "subscribed", "publisher", "publisher+describe")
+    managers = [CPUOffloadingManager(capacity, args.policy) for _ in names]
+    warm, _ = warm_up(managers[0], sequences, requests[: args.warm_requests],
+                      max(10_000, capacity // 20), 0.005)
+    for manager in managers[1:]:
+        warm_up(manager, sequences, requests[:warm], warm, 1.0)  # the same requests
+    plain = ReqContext()
+    subscription = managers[1].subscribe(maxsize=1 << 16)
+    async with KVEventPublisher(managers[2], "tcp://127.0.0.1:0") as pub_on, \
+            KVEventPublisher(managers[3], "tcp://127.0.0.1:0") as pub_desc:
+        consumers = [Consumer(p.endpoint, -1, idle=3.0) for p in (pub_on, pub_desc)]
+        await asyncio.sleep(args.settle)
+        publishers: list[KVEventPublisher | None] = [None, None, pub_on, pub_desc]
+        sched: list[list[float]] = [[] for _ in names]
+        loop_us: list[list[float]] = [[] for _ in names]
+        clock = time.perf_counter
+        gc.collect()
+        for n, start in enumerate(range(warm, warm + args.paired_requests - chunk + 1, chunk)):
+            window = requests[start : start + chunk]
+            order = list(range(len(names)))
+            order = order[n % len(order):] + order[: n % len(order)]  # rotate who goes first
+            for side in order:
+                manager, publisher = managers[side], publishers[side]
+                spent = pumped = 0.0
+                for s in range(0, chunk, per_step):
+                    t0 = clock()
+                    if side == 3:
+                        for seq_idx in window[s : s + per_step]:
+                            run_request(manager, sequences[seq_idx], contexts[seq_idx],
+                                        publisher)
+                    else:
+                        for seq_idx in window[s : s + per_step]:
+                            run_request(manager, sequences[seq_idx], plain)
+                    t1 = clock()
+                    if publisher is not None:
+                        await publisher.flush()
+                    else:
+                        if side == 1:
+                            subscription.drain_nowait()
+                        await asyncio.sleep(0)
+                    spent += t1 - t0
+                    pumped += clock() - t1
+                sched[side].append(spent / chunk * 1e6)
+                loop_us[side].append(pumped / chunk * 1e6)
+        stats = [p.statistics() for p in (pub_on, pub_desc)]
+    subscription.close()
+    results = [c.result() for c in consumers]
+    print()
+    print(f"Manager cost at capacity {capacity:,} ({args.policy}), steps of {per_step} "
+          f"requests: {warm:,} warm-up requests each, then {len(sched[0])} rounds of "
+          f"{chunk:,} requests per manager, the order rotating:")
+    print("| events go to | scheduler µs/req (median) | Δ vs off, µs/req (mean ± s.e.) | "
+          "added | loop time between steps, µs/req |")
+    print("|---|---:|---:|---:|---:|")
+    base = statistics.median(sched[0])
+    for side, name in enumerate(names):
+        med = statistics.median(sched[side])
+        if side == 0:
+            delta = added = "-"
+        else:
+            diffs = [b - a for a, b in zip(sched[0], sched[side], strict=True)]
+            err = statistics.stdev(diffs) / len(diffs) ** 0.5
+            delta = f"{statistics.mean(diffs):+.3f} ± {err:.3f}"
+            added = f"{statistics.mean(diffs) / base * 100:+.1f}%"
+        print(f"| {name} | {med:.2f} | {delta} | {added} | "
+              f"{statistics.median(loop_us[side]):.2f} |")
+    for name, st, res in zip(names[2:], stats, results, strict=True):
+        print(f"  # {name}: {st.batches_sent:,} batches, {st.events_sent:,} KV events sent, "
+              f"{st.events_dropped} dropped, described keys left {st.described_keys}; "
+              f"consumer got {res['received']:,} batches, {res['gaps']} gaps")
+
+
+# -- main ------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--peer", metavar="PYTHON", help="vLLM 0.32's interpreter")
+    parser.add_argument("--capacity", type=int, default=10_000)
+    parser.add_argument("--policy", default="lru")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--requests", type=int, default=80_000,
+                        help="requests whose events make the stream (after warm-up)")
+    parser.add_argument("--warm-requests", type=int, default=200_000)
+    parser.add_argument("--requests-per-step", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--settle", type=float, default=0.5,
+                        help="seconds for a new SUB's subscription to reach the PUB")
+    parser.add_argument("--paired-requests", type=int, default=100_000)
+    parser.add_argument("--chunk", type=int, default=2_000)
+    parser.add_argument("--manager-steps", default="8,64",
+                        help="requests per scheduler step in the manager-cost section")
+    parser.add_argument("--no-events", action="store_true")
+    parser.add_argument("--no-manager", action="store_true")
+    parser.add_argument("--consume", metavar="ENDPOINT", help=argparse.SUPPRESS)
+    parser.add_argument("--expect", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--idle", type=float, default=2.0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.consume:
+        return consume(args.consume, args.expect, args.idle)
+    print(f"# bench_kv_events  python {platform.python_version()}  nproc {os.cpu_count()}  "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    t0 = time.perf_counter()
+    if not args.no_events:
+        events_section(args)
+    if not args.no_manager:
+        for per_step in map(int, args.manager_steps.split(",")):
+            aiokvo.run(manager_section(args, per_step))
+    print(f"\n# total {time.perf_counter() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
