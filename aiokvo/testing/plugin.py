@@ -162,14 +162,17 @@ def fake_cuda_driver() -> Iterator[FakeDriver]:
 
 @pytest.fixture
 def disk_tier_path(tmp_path: Path) -> Path:
-    """An empty directory for a disk tier: owned by this user, mode 0700, not a symlink."""
-    path = tmp_path / "aiokvo-disk"
-    os.mkdir(path, 0o700)
-    os.chmod(path, 0o700)  # the umask may have narrowed mkdir's mode, never widened it
+    """An empty directory for a disk tier: this user's, mode 0700, not a symlink.
+
+    Made by :func:`aiokvo.memory.ownership.private_directory`, the rules the
+    disk tier's own files follow.
+    """
+    from aiokvo.memory.ownership import private_directory
+
+    path = private_directory(tmp_path, "aiokvo-disk")
     info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() \
-            or stat.S_IMODE(info.st_mode) != 0o700:
-        raise AssertionError(f"{path} is not an owner-only directory: {info!r}")
+    if stat.S_IMODE(info.st_mode) != 0o700:  # private_directory refuses group/other bits
+        raise AssertionError(f"{path} has mode {stat.S_IMODE(info.st_mode):04o}, not 0700")
     return path
 
 
