@@ -303,8 +303,11 @@ async def manager_section(args: argparse.Namespace, per_step: int) -> None:
         warm_up(manager, sequences, requests[:warm], warm, 1.0)  # the same requests
     plain = ReqContext()
     subscription = managers[1].subscribe(maxsize=1 << 16)
-    async with KVEventPublisher(managers[2], "tcp://127.0.0.1:0") as pub_on, \
-            KVEventPublisher(managers[3], "tcp://127.0.0.1:0") as pub_desc:
+    interval = args.batch_interval
+    async with KVEventPublisher(managers[2], "tcp://127.0.0.1:0",
+                                batch_interval=interval) as pub_on, \
+            KVEventPublisher(managers[3], "tcp://127.0.0.1:0",
+                             batch_interval=interval) as pub_desc:
         consumers = [Consumer(p.endpoint, -1, idle=3.0) for p in (pub_on, pub_desc)]
         await asyncio.sleep(args.settle)
         publishers: list[KVEventPublisher | None] = [None, None, pub_on, pub_desc]
@@ -329,13 +332,17 @@ async def manager_section(args: argparse.Namespace, per_step: int) -> None:
                         for seq_idx in window[s : s + per_step]:
                             run_request(manager, sequences[seq_idx], plain)
                     t1 = clock()
-                    if publisher is not None:
+                    if publisher is not None and not interval:
                         await publisher.flush()
                     else:
                         if side == 1:
                             subscription.drain_nowait()
                         await asyncio.sleep(0)
                     spent += t1 - t0
+                    pumped += clock() - t1
+                if publisher is not None and interval:
+                    t1 = clock()
+                    await publisher.flush()
                     pumped += clock() - t1
                 sched[side].append(spent / chunk * 1e6)
                 loop_us[side].append(pumped / chunk * 1e6)
@@ -344,7 +351,8 @@ async def manager_section(args: argparse.Namespace, per_step: int) -> None:
     results = [c.result() for c in consumers]
     print()
     print(f"Manager cost at capacity {capacity:,} ({args.policy}), steps of {per_step} "
-          f"requests: {warm:,} warm-up requests each, then {len(sched[0])} rounds of "
+          f"requests, batch_interval {interval * 1e3:g} ms: {warm:,} warm-up requests "
+          f"each, then {len(sched[0])} rounds of "
           f"{chunk:,} requests per manager, the order rotating:")
     print("| events go to | scheduler µs/req (median) | Δ vs off, µs/req (mean ± s.e.) | "
           "added | loop time between steps, µs/req |")
@@ -387,6 +395,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=2_000)
     parser.add_argument("--manager-steps", default="8,64",
                         help="requests per scheduler step in the manager-cost section")
+    parser.add_argument("--batch-interval", type=float, default=0.0,
+                        help="the publishers' batch_interval (s) in the manager-cost section")
     parser.add_argument("--no-events", action="store_true")
     parser.add_argument("--no-manager", action="store_true")
     parser.add_argument("--consume", metavar="ENDPOINT", help=argparse.SUPPRESS)

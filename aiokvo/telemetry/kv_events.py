@@ -152,8 +152,11 @@ class KVEventPublisher(AsyncResource):
     ``max_buffer_bytes`` bound the replay buffer; ``hwm`` is each socket's
     high-water mark; ``max_queue`` bounds the subscription; ``on_lag``
     decides what an overflow of it publishes; ``max_described`` bounds the
-    metadata table (:meth:`describe`). ``context`` is a ``zmq.asyncio``
-    context to use (default: one of its own, terminated on close).
+    metadata table (:meth:`describe`); ``batch_interval`` (seconds, default 0:
+    one batch per loop wake-up, as vLLM sends one per engine step) gathers
+    events that long into one batch, for schedulers that step far more often
+    than a router needs. ``context`` is a ``zmq.asyncio`` context to use
+    (default: one of its own, terminated on close).
     """
 
     def __init__(
@@ -173,6 +176,7 @@ class KVEventPublisher(AsyncResource):
         max_queue: int = 16_384,
         on_lag: LagPolicy = "count",
         max_described: int = 65_536,
+        batch_interval: float = 0.0,
         bind: bool | None = None,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
@@ -194,6 +198,10 @@ class KVEventPublisher(AsyncResource):
         self._hwm = check_int("hwm", hwm, minimum=0)
         self._max_queue = check_int("max_queue", max_queue, minimum=1)
         self._on_lag: LagPolicy = check_choice("on_lag", on_lag, _LAG_POLICIES)
+        if isinstance(batch_interval, bool) or not isinstance(batch_interval, int | float) \
+                or not 0 <= batch_interval <= 60:
+            raise ConfigError(f"batch_interval must be 0..60 seconds, got {batch_interval!r}")
+        self._interval = float(batch_interval)
         if bind is not None and not isinstance(bind, bool):
             raise ConfigError(f"bind must be a bool or None, got {bind!r}")
         self._bind = _is_bind_endpoint(self._endpoint) if bind is None else bind
@@ -364,6 +372,8 @@ class KVEventPublisher(AsyncResource):
             except SubscriptionClosed:
                 return
             self._idle.clear()
+            if self._interval:  # gather more steps into this batch
+                await asyncio.sleep(self._interval)
             items = sub.drain_nowait()
             items.insert(0, first)
             try:

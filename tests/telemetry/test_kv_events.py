@@ -212,6 +212,17 @@ async def test_a_lagging_subscription_is_counted_and_can_clear_the_router(
         assert [e.block_hashes for e in events[1:]] == [[ext(key(3))], [ext(key(4))]]
 
 
+async def test_a_batch_interval_gathers_several_ticks_into_one_batch() -> None:
+    manager = CPUOffloadingManager(64)
+    async with KVEventPublisher(manager, LOOPBACK, batch_interval=0.05) as publisher:
+        for i in range(3):  # three scheduler steps, each ending in an await
+            store(manager, [key(i)])
+            await asyncio.sleep(0)
+        await publisher.flush()
+        stats = publisher.statistics()
+        assert (stats.batches_sent, stats.events_sent) == (1, 3)
+
+
 async def test_no_subscriber_never_blocks_and_the_buffer_stays_bounded() -> None:
     manager = CPUOffloadingManager(1)
     async with KVEventPublisher(manager, LOOPBACK, hwm=1, buffer_steps=1000,
@@ -284,6 +295,8 @@ async def test_close_publishes_what_is_queued_and_is_final() -> None:
         ((CPUOffloadingManager(1), LOOPBACK), {"max_queue": 0}, "max_queue must be an int >= 1"),
         ((CPUOffloadingManager(1), LOOPBACK), {"topic": b"x"}, "topic must be a str"),
         ((CPUOffloadingManager(1), LOOPBACK), {"bind": "yes"}, "bind must be a bool"),
+        ((CPUOffloadingManager(1), LOOPBACK), {"batch_interval": -1},
+         "batch_interval must be 0..60 seconds, got -1"),
         ((CPUOffloadingManager(1), LOOPBACK), {"data_parallel_rank": -1},
          "data_parallel_rank must be an int >= 0, got -1"),
     ],
