@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import importlib.metadata
 import os
 import signal
 import sys
@@ -25,6 +26,19 @@ from types import FrameType
 import pytest
 
 LoopFactory = Callable[[], asyncio.AbstractEventLoop]
+
+
+def _plugin_autoloads() -> bool:
+    """Whether pytest loads aiokvo's plugin by its entry point (aiokvo is installed)."""
+    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        return False
+    return any(ep.value == "aiokvo.testing.plugin"
+               for ep in importlib.metadata.entry_points(group="pytest11"))
+
+
+# From a source tree that is not installed (scripts/gpu_check.sh uses PYTHONPATH),
+# the entry point is missing: load the plugin by name instead.
+pytest_plugins = [] if _plugin_autoloads() else ["aiokvo.testing.plugin"]
 
 
 @pytest.hookimpl(wrapper=True)
