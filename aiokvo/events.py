@@ -27,7 +27,7 @@ from aiokvo.errors import SubscriptionClosed
 from aiokvo.manager.sink import EventSink, OverflowPolicy
 from aiokvo.specs import OffloadingEvent
 
-__all__ = ["EventSubscription", "Lagged", "SubscriptionItem"]
+__all__ = ["EventSubscription", "Lagged", "SubscriptionItem", "SubscriptionStatistics"]
 
 _OVERFLOW_POLICIES: tuple[OverflowPolicy, ...] = ("drop_oldest", "drop_newest")
 
@@ -45,6 +45,18 @@ class Lagged:
 
 SubscriptionItem: TypeAlias = OffloadingEvent | Lagged
 """What a subscription yields: an event, or a marker for a gap before the next one."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SubscriptionStatistics:
+    """One subscription now: ``queued`` of at most ``maxsize`` events buffered,
+    ``dropped`` events lost to ``overflow`` over its life, ``closed`` or not."""
+
+    maxsize: int
+    overflow: OverflowPolicy
+    queued: int = 0
+    dropped: int = 0
+    closed: bool = False
 
 
 class _Gap:
@@ -258,6 +270,16 @@ class EventSubscription(AsyncResource):
     def qsize(self) -> int:
         """Events buffered now (``Lagged`` markers not counted)."""
         return self._queued
+
+    def statistics(self) -> SubscriptionStatistics:
+        """A snapshot of this subscription (see :class:`SubscriptionStatistics`)."""
+        return SubscriptionStatistics(
+            maxsize=self._maxsize,
+            overflow=self._overflow,
+            queued=self._queued,
+            dropped=self._dropped,
+            closed=self._closed,
+        )
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

@@ -490,3 +490,16 @@ async def test_reuse_filter_subscription_sees_the_backing_events() -> None:
     manager.shutdown()
     assert [item async for item in sub] == [stored(0), Lagged(2)]
     assert sub.dropped == 2
+
+
+def test_statistics_snapshot_queue_drops_and_closing() -> None:
+    sink = EventSink(record=False)
+    sub = EventSubscription(sink, maxsize=2, overflow="drop_newest")
+    fill(sub, range(5))
+    stats = sub.statistics()
+    assert (stats.maxsize, stats.overflow, stats.queued, stats.dropped) == (2, "drop_newest", 2, 3)
+    assert not stats.closed
+    sub.drain_nowait()
+    sub.close()
+    assert sub.statistics().queued == 0 and sub.statistics().closed
+    assert stats.queued == 2  # a snapshot does not change afterwards

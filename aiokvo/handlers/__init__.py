@@ -8,17 +8,20 @@ when a handler is built over CUDA tensors.
 from aiokvo.handlers.base import CpuGpuHandlers, OffloadingHandler, SingleDirectionHandler
 from aiokvo.handlers.host import HostOffloadingHandler, allocate_cpu_pool, make_host_handlers
 from aiokvo.handlers.routes import HandlerRoute, make_cpu_gpu_handlers
+from aiokvo.handlers.stats import HandlerStatistics, WorkerStatistics
 from aiokvo.handlers.task import TransferTask
 from aiokvo.handlers.worker import OffloadingWorker
 
 __all__ = [
     "CpuGpuHandlers",
     "HandlerRoute",
+    "HandlerStatistics",
     "HostOffloadingHandler",
     "OffloadingHandler",
     "OffloadingWorker",
     "SingleDirectionHandler",
     "TransferTask",
+    "WorkerStatistics",
     "allocate_cpu_pool",
     "make_cpu_gpu_handlers",
     "make_host_handlers",

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from aiokvo._util import AsyncResource, check_int
 from aiokvo.errors import DuplicateJobError, HandlerClosedError, TransferSpecError
+from aiokvo.handlers.stats import HandlerStatistics
 from aiokvo.handlers.task import DEFAULT_MAX_BUFFERED, FinishedResults, ResultQueue, TransferTask
 from aiokvo.runtime.poller import EventPoller, PollerMode, resolve_poller_mode
 from aiokvo.runtime.sources import CompletionSource
@@ -75,6 +76,16 @@ class OffloadingHandler(FinishedResults, AsyncResource, ABC):
 
         Idempotent; concurrent callers all wait for the same close.
         """
+
+    def statistics(self) -> HandlerStatistics:
+        """A snapshot of this handler's transfers (see :class:`HandlerStatistics`).
+
+        The base knows only its result stream; :class:`SingleDirectionHandler`
+        (every built-in backend) counts transfers too.
+        """
+        return HandlerStatistics(
+            buffered_results=len(self._results), dropped_results=self._results.dropped
+        )
 
     def _report(self, result: TransferResult) -> None:
         """Publish one finished result to :meth:`get_finished` (or the worker's stream)."""
@@ -160,6 +171,10 @@ class SingleDirectionHandler(OffloadingHandler):
         self._closed = False
         self._drained: asyncio.Future[None] | None = None
         self._close_task: asyncio.Future[None] | None = None
+        self._completed = 0
+        self._failed = 0
+        self._bytes = 0
+        self._seconds = 0.0
 
     # -------------------------------------------------------------- backend API
     @abstractmethod
@@ -184,6 +199,18 @@ class SingleDirectionHandler(OffloadingHandler):
     def closed(self) -> bool:
         """True once :meth:`aclose` has begun."""
         return self._closing
+
+    def statistics(self) -> HandlerStatistics:
+        return HandlerStatistics(
+            transfer_type=self.transfer_type,
+            completed=self._completed,
+            failed=self._failed,
+            in_flight=len(self._live),
+            bytes=self._bytes,
+            seconds=self._seconds,
+            buffered_results=len(self._results),
+            dropped_results=self._results.dropped,
+        )
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> TransferTask:
         job_id = check_int("job_id", job_id, error=TransferSpecError)
@@ -291,6 +318,12 @@ class SingleDirectionHandler(OffloadingHandler):
             error=error,
         )
         del self._live[entry.job_id]
+        self._completed += 1
+        if error is None:
+            self._bytes += submission.transfer_size
+            self._seconds += elapsed
+        else:
+            self._failed += 1
         entry.future.set_result(result)
         self._report(result)
         if not self._live and self._drained is not None and not self._drained.done():

@@ -19,6 +19,7 @@ from aiokvo.errors import (
     UnknownRouteError,
 )
 from aiokvo.handlers.base import OffloadingHandler
+from aiokvo.handlers.stats import WorkerStatistics
 from aiokvo.handlers.task import DEFAULT_MAX_BUFFERED, FinishedResults, ResultQueue, TransferTask
 from aiokvo.specs import LoadStoreSpec, TransferResult, TransferSpec, TransferType
 
@@ -48,6 +49,7 @@ class OffloadingWorker(FinishedResults, AsyncResource):
         self._live: dict[int, TransferTask] = {}
         self._closing = False
         self._close_task: asyncio.Future[None] | None = None
+        self._submit_failures = 0
 
     # ------------------------------------------------------------- registration
     def register_handler(
@@ -76,6 +78,16 @@ class OffloadingWorker(FinishedResults, AsyncResource):
     def routes(self) -> dict[TransferType, OffloadingHandler]:
         """A copy of the routing table."""
         return dict(self._routes)
+
+    def statistics(self) -> WorkerStatistics:
+        """A snapshot of the worker and of every handler it routes to."""
+        return WorkerStatistics(
+            in_flight=sum(1 for task in self._live.values() if not task.done()),
+            submit_failures=self._submit_failures,
+            buffered_results=len(self._results),
+            dropped_results=self._results.dropped,
+            handlers=tuple(handler.statistics() for handler in self._handlers),
+        )
 
     # ---------------------------------------------------------------- transfers
     def transfer_async(self, job_id: int, spec: TransferSpec) -> TransferTask:
@@ -112,6 +124,7 @@ class OffloadingWorker(FinishedResults, AsyncResource):
             raise
         except Exception as exc:
             logger.warning("transfer %d on %s failed to submit: %r", job_id, route, exc)
+            self._submit_failures += 1
             result = TransferResult(job_id=job_id, success=False, transfer_type=route, error=exc)
             self._results.put(result)
             return TransferTask.resolved(result, asyncio.get_running_loop())

@@ -11,6 +11,7 @@ from aiokvo.manager.policies import (
 )
 from aiokvo.manager.reuse import FilterReusedOffloadingManager
 from aiokvo.manager.sink import EventSink, OverflowPolicy
+from aiokvo.manager.stats import ManagerStatistics
 
 __all__ = [
     "ARCCachePolicy",
@@ -20,6 +21,7 @@ __all__ = [
     "EventSink",
     "FilterReusedOffloadingManager",
     "LRUCachePolicy",
+    "ManagerStatistics",
     "OffloadingManager",
     "OverflowPolicy",
     "resolve_policy",

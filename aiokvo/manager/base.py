@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from aiokvo.keys import OffloadKey
 from aiokvo.manager.sink import EventSink, OverflowPolicy
+from aiokvo.manager.stats import ManagerStatistics
 from aiokvo.specs import LoadStoreSpec, OffloadingEvent, PrepareStoreOutput, ReqContext
 
 if TYPE_CHECKING:
@@ -105,6 +106,14 @@ class OffloadingManager(ABC):
         from aiokvo.events import EventSubscription  # keeps the core asyncio-free
 
         return EventSubscription(self._sink, maxsize=maxsize, overflow=overflow)
+
+    def statistics(self) -> ManagerStatistics:
+        """A snapshot of the manager's counters and pool (see :class:`ManagerStatistics`).
+
+        The built-in managers count; a subclass that does not override this
+        reports zeros.
+        """
+        return ManagerStatistics()
 
     def shutdown(self) -> None:
         """Close every subscription; the manager must not be used afterwards."""

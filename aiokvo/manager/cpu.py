@@ -28,6 +28,7 @@ from aiokvo.manager.base import OffloadingManager
 from aiokvo.manager.policies.base import WRITING, BlockStatus, CachePolicy
 from aiokvo.manager.policies.registry import resolve_policy
 from aiokvo.manager.sink import EventSink
+from aiokvo.manager.stats import ManagerStatistics
 from aiokvo.specs import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput, ReqContext
 
 __all__ = ["CPUOffloadingManager"]
@@ -79,6 +80,19 @@ class CPUOffloadingManager(OffloadingManager):
         self._pinned: set[OffloadKey] = set()
         self._extra_pins: dict[OffloadKey, int] = {}
         self._sink = EventSink(record=enable_events)
+        # Counters for statistics(): plain int adds, one or two per call.
+        self._lookups = 0
+        self._lookup_hits = 0
+        self._lookup_misses = 0
+        self._lookup_in_flight = 0
+        self._loads = 0
+        self._blocks_pinned = 0
+        self._stores = 0
+        self._stores_refused = 0
+        self._blocks_reserved = 0
+        self._blocks_stored = 0
+        self._blocks_store_failed = 0
+        self._blocks_evicted = 0
 
     # -- introspection ---------------------------------------------------------
 
@@ -100,6 +114,27 @@ class CPUOffloadingManager(OffloadingManager):
     def __len__(self) -> int:
         return len(self._policy)
 
+    def statistics(self) -> ManagerStatistics:
+        return ManagerStatistics(
+            num_blocks=self._num_blocks,
+            used_blocks=len(self._policy),
+            free_blocks=self.num_free_blocks,
+            writing_blocks=len(self._writing),
+            pinned_blocks=len(self._pinned),
+            lookups=self._lookups,
+            lookup_hits=self._lookup_hits,
+            lookup_misses=self._lookup_misses,
+            lookup_in_flight=self._lookup_in_flight,
+            loads=self._loads,
+            blocks_pinned=self._blocks_pinned,
+            stores=self._stores,
+            stores_refused=self._stores_refused,
+            blocks_reserved=self._blocks_reserved,
+            blocks_stored=self._blocks_stored,
+            blocks_store_failed=self._blocks_store_failed,
+            blocks_evicted=self._blocks_evicted,
+        )
+
     def block_status(self, key: OffloadKey) -> BlockStatus | None:
         """A snapshot of ``key``'s block, or None when it is not offloaded."""
         block_id = self._policy.get(key)
@@ -114,20 +149,31 @@ class CPUOffloadingManager(OffloadingManager):
     # -- lookups ---------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        self._lookups += 1
         if key not in self._table_a and key not in self._table_b:
+            self._lookup_misses += 1
             return False
-        return None if key in self._writing else True
+        if key in self._writing:
+            self._lookup_in_flight += 1
+            return None
+        self._lookup_hits += 1
+        return True
 
     def lookup_prefix(
         self, keys: Iterable[OffloadKey], req_context: ReqContext
     ) -> int | None:
         keys = _as_sequence(keys)
         hits = self._policy.prefix_len(keys)
+        self._lookups += 1
         # Every key of the cached prefix is ready unless one is being written;
         # then the loop form would have stopped there and answered None.
         writing = self._writing
         if writing and not writing.isdisjoint(islice(keys, hits)):
+            self._lookup_in_flight += 1
             return None
+        self._lookup_hits += hits
+        if hits < len(keys):
+            self._lookup_misses += 1
         return hits
 
     # -- loads -----------------------------------------------------------------
@@ -143,6 +189,8 @@ class CPUOffloadingManager(OffloadingManager):
         writing = self._writing
         if writing and not writing.isdisjoint(keys):
             raise self._load_error(keys)
+        self._loads += 1
+        self._blocks_pinned += len(keys)
         pinned = self._pinned
         if not self._extra_pins and (not pinned or pinned.isdisjoint(keys)):
             before = len(pinned)
@@ -218,6 +266,7 @@ class CPUOffloadingManager(OffloadingManager):
         # The same dict later serves as the set of protected keys.
         named = dict.fromkeys(keys)
         new_keys = self._policy.uncached(named)
+        self._stores += 1
         if not new_keys:
             return PrepareStoreOutput([], _cpu_spec([]), [])
 
@@ -233,15 +282,18 @@ class CPUOffloadingManager(OffloadingManager):
                 exclude.append(self._pinned)
             evicted = self._policy.evict(shortfall, exclude)
             if evicted is None:
+                self._stores_refused += 1
                 return None
             evicted_keys, freed_ids = evicted
             free_ids += freed_ids
+            self._blocks_evicted += len(evicted_keys)
             if self._sink.active:
                 self._sink.publish(OffloadingEvent(list(evicted_keys), self.medium, True))
 
         block_ids = self._allocate(len(new_keys))
         self._policy.insert(new_keys, block_ids)
         self._writing.update(new_keys)
+        self._blocks_reserved += len(new_keys)
         return PrepareStoreOutput(new_keys, _cpu_spec(block_ids), evicted_keys)
 
     def _allocate(self, count: int) -> list[int]:
@@ -275,9 +327,11 @@ class CPUOffloadingManager(OffloadingManager):
         if before - len(writing) != len(done):
             done = list(dict.fromkeys(done))
         if success:
+            self._blocks_stored += len(done)
             if self._sink.active:
                 self._sink.publish(OffloadingEvent(done, self.medium, False))
         else:
+            self._blocks_store_failed += len(done)
             freed_ids = self._policy.block_ids(done)
             self._policy.remove(done)
             self._free_ids += freed_ids

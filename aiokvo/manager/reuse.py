@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from aiokvo._util import check_int
@@ -18,6 +19,7 @@ from aiokvo.errors import ConfigError
 from aiokvo.keys import OffloadKey
 from aiokvo.manager.base import OffloadingManager
 from aiokvo.manager.sink import OverflowPolicy
+from aiokvo.manager.stats import ManagerStatistics
 from aiokvo.specs import LoadStoreSpec, OffloadingEvent, PrepareStoreOutput, ReqContext
 
 if TYPE_CHECKING:
@@ -44,6 +46,7 @@ class FilterReusedOffloadingManager(OffloadingManager):
         self.max_tracker_size = max_tracker_size
         self.counts: OrderedDict[OffloadKey, int] = OrderedDict()
         self._sink = backing._sink
+        self._filtered = 0
 
     def _count(self, keys: Iterable[OffloadKey]) -> None:
         counts = self.counts
@@ -87,6 +90,7 @@ class FilterReusedOffloadingManager(OffloadingManager):
         threshold = self.store_threshold
         get = self.counts.get
         eligible = [key for key in keys if get(key, 0) >= threshold]
+        self._filtered += len(keys) - len(eligible)
         return self.backing.prepare_store(eligible, req_context)
 
     def prepare_load(
@@ -110,6 +114,19 @@ class FilterReusedOffloadingManager(OffloadingManager):
         self, *, maxsize: int = 1024, overflow: OverflowPolicy = "drop_oldest"
     ) -> EventSubscription:
         return self.backing.subscribe(maxsize=maxsize, overflow=overflow)
+
+    def statistics(self) -> ManagerStatistics:
+        """The backing manager's snapshot plus this filter's two counters.
+
+        Lookups are counted by the backing manager as it is asked; when the
+        prefix stops at a store in flight, the filter asks it key by key to
+        find where, and those lookups count too.
+        """
+        return replace(
+            self.backing.statistics(),
+            reuse_tracked_keys=len(self.counts),
+            reuse_filtered_blocks=self._filtered,
+        )
 
     def shutdown(self) -> None:
         self.backing.shutdown()

@@ -7,6 +7,7 @@ from aiokvo.runtime.poller import (
     EventPoller,
     NotifyingSource,
     PollerMode,
+    PollerStatistics,
     resolve_poller_mode,
 )
 from aiokvo.runtime.run import loop_factory, run
@@ -22,6 +23,7 @@ __all__ = [
     "HostEvent",
     "NotifyingSource",
     "PollerMode",
+    "PollerStatistics",
     "loop_factory",
     "resolve_poller_mode",
     "run",

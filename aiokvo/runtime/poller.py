@@ -44,6 +44,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import ClassVar, Literal, Protocol, TypeAlias, get_args, runtime_checkable
 
 from aiokvo._util import check_choice
@@ -64,6 +65,7 @@ __all__ = [
     "EventPoller",
     "NotifyingSource",
     "PollerMode",
+    "PollerStatistics",
     "resolve_poller_mode",
 ]
 
@@ -97,6 +99,37 @@ class NotifyingSource(CompletionSource, Protocol):
 _MODES: tuple[PollerMode, ...] = get_args(PollerMode)
 _BACKOFF_STEP = 0.001  # asyncio cannot sleep for less than about a millisecond
 
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PollerStatistics:
+    """One poller's state now and its counters since it was made.
+
+    ``pending`` sources are watched and not yet reported; ``polled_lanes``
+    (``spin``/``adaptive``), ``waiter_lanes`` (``thread`` mode, one waiter
+    thread each, ``active_threads`` of them alive) and ``notified_lanes``
+    (sources that wake the loop themselves) hold them. ``fallback_armed`` is
+    true while the loop's 1 ms safety poll of ``thread``-mode lanes is
+    scheduled (only while something is pending there). ``delivered``
+    completions were reported to their callbacks, ``callback_errors`` of those
+    callbacks raised (each went to the loop's exception handler), and
+    ``fallback_polls`` counts the safety polls that ran. ``failed_on_close``
+    callbacks were failed with :class:`~aiokvo.errors.PollerClosedError`
+    because the poller closed first.
+    """
+
+    mode: PollerMode
+    closed: bool = False
+    pending: int = 0
+    polled_lanes: int = 0
+    waiter_lanes: int = 0
+    notified_lanes: int = 0
+    active_threads: int = 0
+    fallback_armed: bool = False
+    delivered: int = 0
+    callback_errors: int = 0
+    fallback_polls: int = 0
+    failed_on_close: int = 0
 
 
 def resolve_poller_mode(mode: str | None = None) -> PollerMode:
@@ -162,6 +195,10 @@ class EventPoller:
         self._waiters: dict[Hashable, LaneWaiter] = {}
         self._fallback_handle: asyncio.TimerHandle | None = None
         self._notified: dict[Hashable, NotifiedLane] = {}
+        self._delivered = 0
+        self._callback_errors = 0
+        self._fallback_polls = 0
+        self._failed_on_close = 0
         with EventPoller._registry_lock:
             existing = EventPoller._by_loop.get(loop)
             if existing is not None and not existing._closed:
@@ -214,6 +251,23 @@ class EventPoller:
     def active_threads(self) -> int:
         """Waiter threads currently alive."""
         return sum(1 for w in self._waiters.values() if w._alive)
+
+    def statistics(self) -> PollerStatistics:
+        """A snapshot of this poller (see :class:`PollerStatistics`)."""
+        return PollerStatistics(
+            mode=self._mode,
+            closed=self._closed,
+            pending=self.pending,
+            polled_lanes=len(self._lanes),
+            waiter_lanes=len(self._waiters),
+            notified_lanes=len(self._notified),
+            active_threads=self.active_threads,
+            fallback_armed=self._fallback_handle is not None,
+            delivered=self._delivered,
+            callback_errors=self._callback_errors,
+            fallback_polls=self._fallback_polls,
+            failed_on_close=self._failed_on_close,
+        )
 
     # ---------------------------------------------------------------- watching
     def watch(
@@ -319,10 +373,12 @@ class EventPoller:
         if loop is None or loop.is_closed():
             return
         error = PollerClosedError("the event poller closed before this completion")
+        self._failed_on_close += len(pending)
         for _, callback in pending:
             try:
                 callback(error)
             except Exception as exc:
+                self._callback_errors += 1
                 _report_callback_error(loop, exc)
 
     # --------------------------------------------------------------- internals
@@ -338,6 +394,7 @@ class EventPoller:
         loop = self._loop_ref()
         if self._closed or loop is None or loop.is_closed():
             return
+        self._fallback_polls += 1
         pending = False
         for waiter in list(self._waiters.values()):
             pending = waiter.poll_from_loop(loop) or pending
@@ -372,9 +429,11 @@ class EventPoller:
         return True
 
     def _invoke(self, callback: CompletionCallback, error: BaseException | None) -> None:
+        self._delivered += 1
         try:
             callback(error)
         except Exception as exc:
+            self._callback_errors += 1
             loop = self._loop_ref()
             if loop is not None:
                 _report_callback_error(loop, exc)
@@ -397,10 +456,12 @@ class EventPoller:
         return True
 
     def _run_batch(self, batch: list[tuple[CompletionCallback, BaseException | None]]) -> None:
+        self._delivered += len(batch)
         for callback, error in batch:
             try:
                 callback(error)
             except Exception as exc:
+                self._callback_errors += 1
                 loop = self._loop_ref()
                 if loop is not None:
                     _report_callback_error(loop, exc)
@@ -420,9 +481,11 @@ class EventPoller:
                     error = exc
                 queue.popleft()
                 progressed = True
+                self._delivered += 1
                 try:
                     callback(error)
                 except Exception as exc:
+                    self._callback_errors += 1
                     loop = self._loop_ref()
                     if loop is not None:
                         _report_callback_error(loop, exc)

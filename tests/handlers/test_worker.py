@@ -138,6 +138,7 @@ async def test_spec_errors_from_a_handler_raise_at_once() -> None:
         with pytest.raises(TransferSpecError, match="block 99"):
             worker.transfer_async(1, STORE)
         assert worker.get_finished_nowait() == []
+        assert worker.statistics().submit_failures == 0  # a caller bug is not a failure
 
 
 async def test_other_submission_errors_become_failed_results() -> None:
@@ -156,6 +157,9 @@ async def test_other_submission_errors_become_failed_results() -> None:
         ok = worker.transfer_async(1, STORE)  # the loop and the worker carry on
         store.sources[1].set()
         assert (await ok).success
+        stats = worker.statistics()
+        assert (stats.submit_failures, stats.in_flight) == (1, 0)
+        assert [h.completed for h in stats.handlers] == [1, 0]  # the handler saw one copy
 
 
 async def test_wait_spans_handlers_and_aclose_waits_for_copies() -> None:

@@ -360,6 +360,35 @@ async def test_thread_mode_fallback_poll_stops_when_nothing_is_pending() -> None
     source.done = True
     await asyncio.wait_for(future, 5)
     await asyncio.sleep(0.01)
-    assert poller._fallback_handle is None  # no timer left running while idle
+    assert not poller.statistics().fallback_armed  # no timer left running while idle
     source.release.set()
     poller.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_statistics_follow_lanes_deliveries_errors_and_close(mode: PollerMode) -> None:
+    poller = EventPoller(mode=mode)
+    asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: None)
+
+    def buggy(error: BaseException | None) -> None:
+        raise ValueError("callback bug")
+
+    first, second, stuck = WaitOnlyEvent(), WaitOnlyEvent(), WaitOnlyEvent()
+    poller.add_callback("a", first, lambda error: None)
+    poller.add_callback("b", second, buggy)
+    poller.watch("c", stuck).add_done_callback(lambda f: f.exception())
+    stats = poller.statistics()
+    assert (stats.mode, stats.pending, stats.delivered, stats.closed) == (mode, 3, 0, False)
+    if mode == "thread":
+        assert stats.waiter_lanes == 3 and stats.fallback_armed
+    else:
+        assert stats.polled_lanes == 3
+    first.set()
+    second.set()
+    await until(lambda: poller.statistics().delivered == 2)
+    stats = poller.statistics()
+    assert (stats.pending, stats.callback_errors) == (1, 1)
+    poller.close()
+    stats = poller.statistics()
+    assert (stats.closed, stats.pending, stats.failed_on_close) == (True, 0, 1)
+    stuck.set()

@@ -274,7 +274,9 @@ async def test_fallback_poll_delivers_a_notifying_source_whose_thread_never_wake
     assert not future.done()
     source.done = True
     await asyncio.wait_for(future, 5)  # found by the loop's 1 ms fallback poll
-    assert source.wakes and poller._fallback_handle is None  # and the timer stopped
+    stats = poller.statistics()
+    assert source.wakes and not stats.fallback_armed  # and the timer stopped
+    assert stats.fallback_polls >= 1 and stats.pending == 0
 
 
 @pytest.mark.parametrize("bad", [-0.001, "0.002", True, float("nan")])
