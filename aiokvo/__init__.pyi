@@ -4,6 +4,7 @@ from aiokvo import errors as errors
 from aiokvo.config import OffloadConfig as OffloadConfig
 from aiokvo.events import EventSubscription as EventSubscription
 from aiokvo.events import Lagged as Lagged
+from aiokvo.events import SubscriptionStatistics as SubscriptionStatistics
 from aiokvo.factory import OffloadingSpecFactory as OffloadingSpecFactory
 from aiokvo.handlers.base import CpuGpuHandlers as CpuGpuHandlers
 from aiokvo.handlers.base import OffloadingHandler as OffloadingHandler
@@ -11,6 +12,8 @@ from aiokvo.handlers.base import SingleDirectionHandler as SingleDirectionHandle
 from aiokvo.handlers.cuda.handler import CudaOffloadingHandler as CudaOffloadingHandler
 from aiokvo.handlers.host.handler import HostOffloadingHandler as HostOffloadingHandler
 from aiokvo.handlers.routes import make_cpu_gpu_handlers as make_cpu_gpu_handlers
+from aiokvo.handlers.stats import HandlerStatistics as HandlerStatistics
+from aiokvo.handlers.stats import WorkerStatistics as WorkerStatistics
 from aiokvo.handlers.task import TransferTask as TransferTask
 from aiokvo.handlers.worker import OffloadingWorker as OffloadingWorker
 from aiokvo.keys import OffloadKey as OffloadKey
@@ -27,13 +30,19 @@ from aiokvo.manager.policies import BlockStatus as BlockStatus
 from aiokvo.manager.policies import CachePolicy as CachePolicy
 from aiokvo.manager.policies import LRUCachePolicy as LRUCachePolicy
 from aiokvo.manager.reuse import FilterReusedOffloadingManager as FilterReusedOffloadingManager
+from aiokvo.manager.stats import ManagerStatistics as ManagerStatistics
 from aiokvo.memory.pinned import HostRegistration as HostRegistration
 from aiokvo.memory.pinned import PinnedHostTensor as PinnedHostTensor
 from aiokvo.memory.shared_region import SharedOffloadRegion as SharedOffloadRegion
+from aiokvo.offloader import Offloader as Offloader
+from aiokvo.offloader import OffloaderStatistics as OffloaderStatistics
+from aiokvo.offloader import PrefixLease as PrefixLease
+from aiokvo.offloader import StoreResult as StoreResult
 from aiokvo.offloading_spec import CPUOffloadingSpec as CPUOffloadingSpec
 from aiokvo.offloading_spec import OffloadingSpec as OffloadingSpec
 from aiokvo.runtime.poller import EventPoller as EventPoller
 from aiokvo.runtime.poller import PollerMode as PollerMode
+from aiokvo.runtime.poller import PollerStatistics as PollerStatistics
 from aiokvo.runtime.run import run as run
 from aiokvo.specs import BlockIDsLoadStoreSpec as BlockIDsLoadStoreSpec
 from aiokvo.specs import CPULoadStoreSpec as CPULoadStoreSpec

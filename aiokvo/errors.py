@@ -19,6 +19,8 @@ __all__ = [
     "DuplicateRouteError",
     "HandlerClosedError",
     "InvalidSpecError",
+    "LeaseError",
+    "OffloaderClosedError",
     "PollerClosedError",
     "LayoutError",
     "SharedFileError",
@@ -127,6 +129,14 @@ class DuplicateRouteError(ConfigError):
 
 class HandlerClosedError(TransferSpecError):
     """A transfer was submitted to a handler or worker that is closing or closed."""
+
+
+class OffloaderClosedError(AiokvoError, RuntimeError):
+    """An :class:`~aiokvo.Offloader` call came after ``aclose()`` began."""
+
+
+class LeaseError(AiokvoError, RuntimeError):
+    """A :class:`~aiokvo.PrefixLease` was loaded after it was released, or loaded twice."""
 
 
 class PollerClosedError(AiokvoError, RuntimeError):

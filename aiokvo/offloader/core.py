@@ -1,0 +1,556 @@
+"""``Offloader``: the one object an async scheduler drives.
+
+The manager, specs and handlers are the seed's contract, but composing them
+by hand has four traps: awaiting between a lookup and its pin (the prefix
+can be evicted in between), calling ``complete_*`` exactly once even when
+the awaiting coroutine is cancelled (and only once the copy has really
+ended), passing exactly the keys a store reserved (with their own GPU
+blocks), and finding out when a store in flight ends. Each call here does
+the whole workflow:
+
+* **look up and pin with no await in between** (``load_prefix``,
+  ``pin_prefix``), then copy, then release;
+* **reserve, copy exactly the reserved keys, complete exactly that
+  reservation** (``store``);
+* **every copy finishes itself**: its task's done-callback calls the
+  manager's ``complete_*`` once, when the copy has ended, whatever happened to
+  the coroutine that awaited it; that coroutine awaits a future the callback
+  resolves *after* ``complete_*``, through a shield, so cancelling it cancels
+  the wait and never the copy;
+* **stores in flight can be awaited**: each key being written maps to its
+  store's future, which ``ready`` and ``load_prefix`` wait on (no polling).
+
+Results are delivered once, to the call that asked: the worker is built with
+``max_buffered=0`` by default, so no result is buffered for a stream nobody
+reads. Everything runs on the event loop's thread; nothing here blocks.
+
+Seam for tiers (docs/offloader.md): lookups go through :meth:`_lookup`
+and finished stores through :meth:`_store_done`, which is where a tier
+would be consulted on a miss and written through after a store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+from functools import partial
+from typing import Any, TypeAlias
+
+from aiokvo._util import AsyncResource, check_int
+from aiokvo.config import OffloadConfig
+from aiokvo.errors import ConfigError, OffloaderClosedError
+from aiokvo.events import EventSubscription
+from aiokvo.factory import OffloadingSpecFactory
+from aiokvo.handlers.task import TransferTask
+from aiokvo.handlers.worker import OffloadingWorker
+from aiokvo.keys import OffloadKey
+from aiokvo.layout import CanonicalKVCaches, EngineKVCaches, KVLayout
+from aiokvo.manager.base import OffloadingManager
+from aiokvo.manager.sink import OverflowPolicy
+from aiokvo.offloader.blocks import GpuBlockIds, GpuBlocks, GpuGeometry
+from aiokvo.offloader.lease import PrefixLease
+from aiokvo.offloader.results import OffloaderStatistics, StoreResult
+from aiokvo.offloading_spec import CPUOffloadingSpec, OffloadingSpec
+from aiokvo.runtime.poller import EventPoller
+from aiokvo.specs import GPULoadStoreSpec, LoadStoreSpec, ReqContext, TransferResult
+
+__all__ = ["Offloader"]
+
+_Done: TypeAlias = "asyncio.Future[TransferResult]"
+
+_POLL_INTERVAL = 0.001
+"""Seconds between looks at a store the Offloader did not start (made by hand on
+its manager): the only case where it cannot await the store's end."""
+
+
+class Offloader(AsyncResource):
+    """GPU <-> CPU-pool offloading as single awaitable calls that cannot race.
+
+    ``kv_caches`` is a :class:`~aiokvo.CanonicalKVCaches` or the engine's KV
+    tensors (canonicalised with ``kv_layout``). The Offloader builds the spec
+    ``config`` names (``CPUOffloadingSpec`` by default) and owns it, its
+    manager, a worker and the handlers registered with it; ``aclose()`` (or
+    ``async with``) lets every copy in flight finish and complete, releases
+    leases never loaded, then closes them all. ``handler_options`` go to the
+    spec's handlers (``copy_fn``, ``poller_mode``, ...). ``max_buffered`` is
+    the worker's bound on results kept for ``worker.get_finished()``: 0 by
+    default, because every result already reaches the call that asked.
+
+    Calls must be made on the loop's thread. See docs/offloader.md.
+    """
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        kv_caches: CanonicalKVCaches | EngineKVCaches,
+        *,
+        kv_layout: KVLayout = "blocks_first",
+        handler_options: Mapping[str, Any] | None = None,
+        max_buffered: int = 0,
+    ) -> None:
+        if not isinstance(config, OffloadConfig):
+            raise ConfigError(f"config must be an OffloadConfig, got {config!r}")
+        max_buffered = check_int("max_buffered", max_buffered, minimum=0)
+        kv = (
+            kv_caches
+            if isinstance(kv_caches, CanonicalKVCaches)
+            else CanonicalKVCaches.from_engine(kv_caches, layout=kv_layout)
+        )
+        spec = OffloadingSpecFactory.create_spec(config)
+        if handler_options:
+            if not isinstance(spec, CPUOffloadingSpec):
+                raise ConfigError(
+                    f"handler_options need a CPUOffloadingSpec, but config names {spec!r}"
+                )
+            spec.handler_options.update(handler_options)
+        manager = spec.get_manager()
+        try:
+            worker = OffloadingWorker(max_buffered=max_buffered)
+            for route in spec.get_handlers(kv):
+                worker.register_handler(*route)
+        except BaseException:
+            manager.shutdown()  # the handlers start no thread before their first copy
+            raise
+        self.config = config
+        self.kv_caches = kv
+        self._spec = spec
+        self._manager = manager
+        self._worker = worker
+        self._geometry = GpuGeometry(kv, spec.block_size_factor)
+        self._ctx = ReqContext()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # key being written by one of our stores -> that store's future
+        self._writing: dict[OffloadKey, _Done] = {}
+        self._copies: dict[int, _Done] = {}  # job id -> future, for every copy in flight
+        self._leases: set[PrefixLease] = set()  # leases holding pins, not loading
+        self._next_job = 0
+        self._closing = False
+        self._close_task: asyncio.Future[None] | None = None
+        # Counters (plain int adds on the hot path); see OffloaderStatistics.
+        self._loads = self._leases_made = self._hit_blocks = self._miss_blocks = 0
+        self._blocks_loaded = self._blocks_load_failed = 0
+        self._store_waits = self._polled_waits = self._waiters = self._cancelled_waits = 0
+        self._stores = self._stores_refused = 0
+        self._blocks_stored = self._blocks_skipped = 0
+        self._blocks_evicted = self._blocks_store_failed = 0
+        self._load_transfers = self._load_failures = self._load_bytes = 0
+        self._store_transfers = self._store_failures = self._store_bytes = 0
+        self._load_seconds = self._store_seconds = 0.0
+        self._loads_in_flight = self._stores_in_flight = 0
+
+    # ----------------------------------------------------------------- parts
+    @property
+    def spec(self) -> OffloadingSpec:
+        """The spec this Offloader built and owns."""
+        return self._spec
+
+    @property
+    def manager(self) -> OffloadingManager:
+        """The manager (read its state; driving it by hand bypasses the Offloader)."""
+        return self._manager
+
+    @property
+    def worker(self) -> OffloadingWorker:
+        """The worker that runs the copies (``worker.get_finished()`` needs ``max_buffered``)."""
+        return self._worker
+
+    @property
+    def block_size_factor(self) -> int:
+        """GPU blocks per key."""
+        return self._geometry.factor
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`aclose` has begun."""
+        return self._closing
+
+    def subscribe(
+        self, *, maxsize: int = 1024, overflow: OverflowPolicy = "drop_oldest"
+    ) -> EventSubscription:
+        """The manager's event stream (see :meth:`OffloadingManager.subscribe`)."""
+        return self._manager.subscribe(maxsize=maxsize, overflow=overflow)
+
+    # ----------------------------------------------------------------- loads
+    async def load_prefix(
+        self, keys: Iterable[OffloadKey], gpu_block_ids: GpuBlockIds, ctx: ReqContext | None = None
+    ) -> int:
+        """Load the longest ready prefix of ``keys`` into its GPU blocks; how many keys.
+
+        ``gpu_block_ids`` gives the GPU blocks of every key (``factor`` per
+        key, or a ``GPULoadStoreSpec``; see :mod:`aiokvo.offloader.blocks`);
+        the first ``n`` keys' blocks are written. The prefix is looked up and
+        pinned with no await in between; when a key of it is being written,
+        this waits for that store to end and looks again; a store that fails
+        ends the prefix at its key. With several groups, ``n`` counts the
+        leading positions ready in every group, and ``n`` keys of each group
+        are loaded. Returns 0 when the copy fails (the GPU blocks may then
+        hold anything). Cancelling the caller cancels the wait, never the copy.
+        """
+        self._check_open("load_prefix")
+        keys = _as_list(keys)
+        blocks = self._geometry.resolve(len(keys), gpu_block_ids, "load_prefix")
+        ctx = self._ctx if ctx is None else ctx
+        self._loads += 1
+        limit = len(keys)
+        while True:
+            found = self._lookup(keys, blocks, limit, ctx)
+            if isinstance(found, int):
+                break
+            limit = await self._wait_for_store(keys, found, limit)
+            self._check_open("load_prefix")
+        n = found
+        if blocks.num_groups == 1:
+            self._hit_blocks += n
+            self._miss_blocks += len(keys) - n
+            if not n:
+                return 0
+            pinned = keys[:n]
+            dst, _ = blocks.prefix(n)
+        else:
+            dst, indices = blocks.prefix(n)
+            assert indices is not None
+            pinned = [keys[i] for i in indices]
+            self._hit_blocks += len(pinned)
+            self._miss_blocks += len(keys) - len(pinned)
+            if not pinned:
+                return 0
+        src = self._manager.prepare_load(pinned, ctx)
+        self._manager.touch(pinned)
+        result = await self._wait(self._start_load(pinned, src, dst, None))
+        return n if result.success else 0
+
+    def pin_prefix(
+        self, keys: Iterable[OffloadKey], ctx: ReqContext | None = None
+    ) -> PrefixLease | None:
+        """Look up and pin the longest ready prefix of ``keys`` now, in one synchronous call.
+
+        Returns a :class:`PrefixLease` holding the pins (``count`` 0 for a
+        miss), or None when the first key that is not ready is being written
+        (``await off.ready(keys)`` then ask again). ``keys`` is one flat list;
+        for several groups, pin each group's keys separately.
+        """
+        self._check_open("pin_prefix")
+        keys = _as_list(keys)
+        ctx = self._ctx if ctx is None else ctx
+        n = self._manager.lookup_prefix(keys, ctx)
+        if n is None:
+            return None
+        pinned = keys[:n]
+        src = self._manager.prepare_load(pinned, ctx)
+        lease = PrefixLease(self, pinned, src)
+        if n:
+            self._manager.touch(pinned)
+            self._leases.add(lease)
+            self._leases_made += 1
+            self._hit_blocks += n
+        return lease
+
+    # ---------------------------------------------------------------- stores
+    async def store(
+        self, keys: Iterable[OffloadKey], gpu_block_ids: GpuBlockIds, ctx: ReqContext | None = None
+    ) -> StoreResult:
+        """Offload ``keys`` from their GPU blocks; what was stored, skipped, evicted, failed.
+
+        Reserves the keys not held yet (evicting if it must), copies exactly
+        those from their own GPU blocks, and completes exactly that
+        reservation: success makes them readable, failure releases them.
+        ``gpu_block_ids`` as for :meth:`load_prefix`. The GPU blocks are read
+        until the copy ends: after a cancelled store, ``await drain()``
+        before reusing them.
+        """
+        self._check_open("store")
+        keys = _as_list(keys)
+        blocks = self._geometry.resolve(len(keys), gpu_block_ids, "store")
+        ctx = self._ctx if ctx is None else ctx
+        self._stores += 1
+        if not keys:
+            return StoreResult()
+        out = self._manager.prepare_store(keys, ctx)
+        if out is None:
+            self._stores_refused += 1
+            failed = tuple(dict.fromkeys(keys))
+            self._blocks_store_failed += len(failed)
+            return StoreResult(failed=failed)
+        reserved = out.keys_to_store
+        evicted = tuple(out.evicted_keys)
+        self._blocks_evicted += len(evicted)
+        if not reserved:
+            held = tuple(dict.fromkeys(keys))
+            self._blocks_skipped += len(held)
+            return StoreResult(skipped=held, evicted=evicted)
+        # First position of each key (a key listed twice is stored from its first blocks).
+        position = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1), strict=True))
+        try:
+            src = blocks.select([position[key] for key in reserved])
+            task = self._worker.transfer_async(self._job(), (src, out.store_spec))
+        except BaseException:
+            self._manager.complete_store(reserved, success=False)
+            self._blocks_store_failed += len(reserved)
+            raise
+        done = self._track(task)
+        self._writing.update(dict.fromkeys(reserved, done))
+        self._stores_in_flight += 1
+        task.add_done_callback(partial(self._store_done, reserved, done))
+        skipped: tuple[OffloadKey, ...] = ()
+        if len(reserved) != len(keys):
+            taken = set(reserved)
+            skipped = tuple(k for k in dict.fromkeys(keys) if k not in taken)
+            self._blocks_skipped += len(skipped)
+        result = await self._wait(done)
+        if result.success:
+            return StoreResult(stored=tuple(reserved), skipped=skipped, evicted=evicted)
+        return StoreResult(skipped=skipped, evicted=evicted, failed=tuple(reserved))
+
+    async def ready(self, keys: Iterable[OffloadKey]) -> None:
+        """Return once none of ``keys`` is being written by a store of this Offloader.
+
+        Returns at once (without yielding) when none is. Any number of
+        coroutines may wait; each is woken when the stores end, successful or
+        not. Cancelling a waiter cancels only its wait.
+        """
+        self._check_open("ready")
+        writing = self._writing
+        if not writing:
+            return
+        keys = _as_list(keys)
+        while True:
+            stores = {done for key in keys if (done := writing.get(key)) is not None}
+            if not stores:
+                return
+            self._waiters += 1
+            try:
+                await asyncio.wait(stores)
+            finally:
+                self._waiters -= 1
+
+    async def drain(self) -> None:
+        """Return once every copy in flight now has finished and been completed.
+
+        The GPU blocks of a cancelled call are read or written until its copy
+        ends; this is how to know when they are free again. Copies started
+        later are not waited for.
+        """
+        if self._copies:
+            await asyncio.wait(list(self._copies.values()))
+
+    # ------------------------------------------------------------- lifecycle
+    async def aclose(self) -> None:
+        """Refuse new calls, let copies in flight finish and complete, then close.
+
+        Leases never loaded are released. Idempotent; concurrent callers all
+        wait for the same close, and cancelling one does not stop it.
+        """
+        if self._close_task is None:
+            self._closing = True
+            self._close_task = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._close_task)
+
+    async def _close(self) -> None:
+        while self._copies:
+            await asyncio.wait(list(self._copies.values()))
+        for lease in list(self._leases):
+            lease.release()
+        try:
+            await self._worker.aclose()
+        finally:
+            await self._spec.aclose()
+
+    def statistics(self) -> OffloaderStatistics:
+        """A snapshot of this Offloader and its parts (see :class:`OffloaderStatistics`)."""
+        poller = None if self._loop is None else EventPoller.existing(self._loop)
+        return OffloaderStatistics(
+            loads=self._loads,
+            leases=self._leases_made,
+            active_leases=len(self._leases),
+            hit_blocks=self._hit_blocks,
+            miss_blocks=self._miss_blocks,
+            blocks_loaded=self._blocks_loaded,
+            blocks_load_failed=self._blocks_load_failed,
+            store_waits=self._store_waits,
+            polled_waits=self._polled_waits,
+            stores=self._stores,
+            stores_refused=self._stores_refused,
+            blocks_stored=self._blocks_stored,
+            blocks_skipped=self._blocks_skipped,
+            blocks_evicted=self._blocks_evicted,
+            blocks_store_failed=self._blocks_store_failed,
+            load_transfers=self._load_transfers,
+            load_transfer_failures=self._load_failures,
+            load_bytes=self._load_bytes,
+            load_seconds=self._load_seconds,
+            store_transfers=self._store_transfers,
+            store_transfer_failures=self._store_failures,
+            store_bytes=self._store_bytes,
+            store_seconds=self._store_seconds,
+            loads_in_flight=self._loads_in_flight,
+            stores_in_flight=self._stores_in_flight,
+            writing_keys=len(self._writing),
+            waiters=self._waiters,
+            cancelled_waits=self._cancelled_waits,
+            closed=self._closing,
+            manager=self._manager.statistics(),
+            worker=self._worker.statistics(),
+            poller=None if poller is None else poller.statistics(),
+        )
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closing else f"copies_in_flight={len(self._copies)}"
+        return f"<Offloader {type(self._spec).__name__} {state}>"
+
+    # ------------------------------------------------------------- internals
+    def _check_open(self, what: str) -> None:
+        if self._closing:
+            raise OffloaderClosedError(f"the Offloader is closed; {what} was not started")
+
+    def _job(self) -> int:
+        self._next_job += 1
+        return self._next_job
+
+    def _lookup(
+        self, keys: list[OffloadKey], blocks: GpuBlocks, limit: int, ctx: ReqContext
+    ) -> int | tuple[int, int]:
+        """Ready positions (pinning nothing), or ``(group start, stop)`` of a group whose
+        prefix stops at a store in flight."""
+        manager = self._manager
+        if blocks.num_groups == 1:
+            n = manager.lookup_prefix(keys if limit == len(keys) else keys[:limit], ctx)
+            return (0, limit) if n is None else n
+        ready: int | None = None
+        for start, stop in blocks.group_key_ranges():
+            if start == stop:
+                continue  # a group without keys limits nothing
+            stop = min(stop, start + limit)
+            n = manager.lookup_prefix(keys[start:stop], ctx)
+            if n is None:
+                return (start, stop)
+            ready = n if ready is None else min(ready, n)
+        return 0 if ready is None else ready
+
+    async def _wait_for_store(
+        self, keys: list[OffloadKey], group: tuple[int, int], limit: int
+    ) -> int:
+        """Wait for the store in flight of the first key being written in ``keys[start:stop]``;
+        returns the new limit on prefix positions (the key's position if that store failed)."""
+        start, stop = group
+        writing = self._writing
+        for i in range(start, stop):
+            done = writing.get(keys[i])
+            if done is not None:
+                break
+        else:  # written by someone who did not go through us: nothing to await
+            self._polled_waits += 1
+            await asyncio.sleep(_POLL_INTERVAL)
+            return limit
+        self._store_waits += 1
+        self._waiters += 1
+        try:
+            await asyncio.wait((done,))
+        finally:
+            self._waiters -= 1
+        return limit if done.result().success else min(limit, i - start)
+
+    def _start_load(
+        self,
+        keys: list[OffloadKey],
+        src: LoadStoreSpec,
+        dst: GPULoadStoreSpec,
+        lease: PrefixLease | None,
+    ) -> _Done:
+        """Submit the copy of pinned ``keys``; the future resolves after ``complete_load``.
+
+        If the copy cannot be submitted, the pins are released and the error raised.
+        """
+        try:
+            task = self._worker.transfer_async(self._job(), (src, dst))
+        except BaseException:
+            self._manager.complete_load(keys)
+            if lease is not None:
+                self._leases.discard(lease)
+                lease._loaded()
+            raise
+        done = self._track(task)
+        self._loads_in_flight += 1
+        if lease is not None:
+            self._leases.discard(lease)  # the copy holds the pins now
+        task.add_done_callback(partial(self._load_done, keys, done, lease))
+        return done
+
+    def _release_lease(self, lease: PrefixLease) -> None:
+        """Give back the pins of a lease that was never loaded."""
+        self._leases.discard(lease)
+        if lease.keys:
+            self._manager.complete_load(lease.keys)
+
+    def _track(self, task: TransferTask) -> _Done:
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        done: _Done = loop.create_future()
+        self._copies[task.job_id] = done
+        return done
+
+    async def _wait(self, done: _Done) -> TransferResult:
+        """Await a copy's future without letting a cancellation reach it."""
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            self._cancelled_waits += 1
+            raise
+
+    # Done-callbacks: each runs once, on the loop, when its copy has finished.
+    def _load_done(
+        self, keys: list[OffloadKey], done: _Done, lease: PrefixLease | None, task: TransferTask
+    ) -> None:
+        result = task.result()
+        try:
+            self._manager.complete_load(keys)
+        except Exception as exc:  # a manager bug must not strand the waiters
+            self._report("complete_load", exc)
+        finally:
+            if lease is not None:
+                lease._loaded()
+            del self._copies[result.job_id]
+            self._loads_in_flight -= 1
+            self._load_transfers += 1
+            if result.success:
+                self._blocks_loaded += len(keys)
+                self._load_bytes += result.transfer_size or 0
+                self._load_seconds += result.transfer_time or 0.0
+            else:
+                self._blocks_load_failed += len(keys)
+                self._load_failures += 1
+            if not done.done():
+                done.set_result(result)
+
+    def _store_done(self, keys: list[OffloadKey], done: _Done, task: TransferTask) -> None:
+        result = task.result()
+        try:
+            self._manager.complete_store(keys, success=result.success)
+        except Exception as exc:  # a manager bug must not strand the waiters
+            self._report("complete_store", exc)
+        finally:
+            writing = self._writing
+            for key in keys:
+                del writing[key]
+            del self._copies[result.job_id]
+            self._stores_in_flight -= 1
+            self._store_transfers += 1
+            if result.success:
+                self._blocks_stored += len(keys)
+                self._store_bytes += result.transfer_size or 0
+                self._store_seconds += result.transfer_time or 0.0
+            else:
+                self._blocks_store_failed += len(keys)
+                self._store_failures += 1
+            if not done.done():
+                done.set_result(result)
+
+    def _report(self, call: str, error: Exception) -> None:
+        loop = self._loop or asyncio.get_running_loop()
+        loop.call_exception_handler(
+            {"message": f"{self!r}: manager.{call} raised", "exception": error}
+        )
+
+
+def _as_list(keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+    return keys if isinstance(keys, list) else list(keys)
