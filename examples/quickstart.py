@@ -6,19 +6,22 @@ The "GPU" KV cache here is a set of CPU tensors shaped like a real model's
 (FlashAttention layout, bf16), so the demo runs anywhere on the host backend;
 on a CUDA machine the same code would drive the CUDA backend. A stream of
 requests reuses a set of shared prompt prefixes (system prompts, documents)
-and adds a few blocks of its own. For every request the scheduler:
+and adds a few blocks of its own; ``--concurrency`` of them are served at
+once, by as many coroutines. For every request the scheduler makes two
+calls to one :class:`aiokvo.Offloader`:
 
-1. asks the manager how much of its prefix is offloaded (``lookup_prefix``),
-2. loads those blocks back into fresh GPU blocks (``prepare_load`` ->
-   ``transfer_async`` -> ``complete_load``) and checks them byte for byte
-   against what was stored,
-3. "computes" the rest (writes each block's deterministic KV bytes), and
-4. offloads the new blocks (``prepare_store`` -> ``transfer_async`` ->
-   ``complete_store``), which evicts older blocks when the CPU pool is full.
+1. ``n = await off.load_prefix(keys, gpu_blocks)`` loads the longest
+   offloaded prefix into the request's GPU blocks (waiting for a store of
+   that prefix still in flight, if another request is writing it), and the
+   demo checks those ``n`` blocks byte for byte against what was stored;
+2. it "computes" the rest (writes each block's deterministic KV bytes), and
+   ``await off.store(keys, gpu_blocks)`` offloads what the pool does not hold
+   yet, evicting older blocks when the CPU pool is full.
 
-A telemetry task draws a live progress line from the manager's event stream
-and the worker's results (see ``examples/telemetry.py``). The run ends with a
-summary; any mismatch on reload makes it exit with status 1.
+Lookups, pins, job ids, reservations and every ``complete_*`` are the
+Offloader's business, so this is safe at any concurrency. A live progress
+line is drawn from ``off.statistics()``; the run ends with a summary, and
+any mismatch on reload makes it exit with status 1.
 """
 
 from __future__ import annotations
@@ -29,27 +32,23 @@ import contextlib
 import hashlib
 import sys
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # for the sibling telemetry.py
-
-from telemetry import Snapshot, Telemetry
-
-from aiokvo.config import OffloadConfig
-from aiokvo.handlers.worker import OffloadingWorker
-from aiokvo.keys import OffloadKey, make_offload_key
-from aiokvo.layout import CanonicalKVCaches
-from aiokvo.manager.base import OffloadingManager
-from aiokvo.offloading_spec import CPUOffloadingSpec
-from aiokvo.runtime.run import run
-from aiokvo.specs import GPULoadStoreSpec, ReqContext
+import aiokvo
+from aiokvo import (
+    CanonicalKVCaches,
+    OffloadConfig,
+    Offloader,
+    OffloaderStatistics,
+    OffloadKey,
+    make_offload_key,
+)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -65,7 +64,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cpu-blocks", type=int, default=256, help="CPU pool, in blocks")
     p.add_argument("--prefixes", type=int, default=64, help="distinct shared prefixes")
     p.add_argument("--requests", type=int, default=1200)
-    p.add_argument("--concurrency", type=int, default=6, help="requests in flight")
+    p.add_argument("--concurrency", type=int, default=8, help="requests served at once")
     p.add_argument("--policy", choices=["lru", "arc"], default="lru")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -164,74 +163,37 @@ class GPUBlocks:
 
 @dataclass(slots=True)
 class Stats:
+    """What only the scheduler knows: requests served and what the reloads held."""
+
     requests: int = 0
     loaded_blocks: int = 0
     verified: int = 0
     mismatched: int = 0
-    failed_transfers: int = 0
-    retries: int = 0
 
 
 # -- the scheduler ---------------------------------------------------------------------
 
 
 class Scheduler:
-    def __init__(
-        self,
-        manager: OffloadingManager,
-        worker: OffloadingWorker,
-        kv_bytes: KVBytes,
-        gpu: GPUBlocks,
-        telemetry: Telemetry,
-    ) -> None:
-        self.manager, self.worker, self.kv_bytes = manager, worker, kv_bytes
-        self.gpu, self.telemetry = gpu, telemetry
+    def __init__(self, off: Offloader, kv_bytes: KVBytes, gpu: GPUBlocks) -> None:
+        self.off, self.kv_bytes, self.gpu = off, kv_bytes, gpu
         self.stats = Stats()
-        self._next_job = 0
-        self._ctx = ReqContext()
-
-    def _job(self) -> int:
-        self._next_job += 1
-        return self._next_job
 
     async def serve(self, request: Request) -> None:
-        keys, ctx = request.keys, self._ctx
-        # 1. How much of the prefix is offloaded? None: a store of it is in flight.
-        while (hits := self.manager.lookup_prefix(keys, ctx)) is None:
-            self.stats.retries += 1
-            await asyncio.sleep(0.001)
-        self.telemetry.record_lookup(hits, len(keys))
+        keys = request.keys
         gpu_ids = await self.gpu.take(len(keys))
         try:
-            # 2. Load the offloaded prefix into fresh GPU blocks and verify it.
+            # 1. Load the offloaded prefix into the request's GPU blocks, and verify it.
+            hits = await self.off.load_prefix(keys, gpu_ids)
             if hits:
-                src = self.manager.prepare_load(keys[:hits], ctx)
-                dst = GPULoadStoreSpec(gpu_ids[:hits], group_sizes=[hits], block_indices=[0])
-                result = await self.worker.transfer_async(self._job(), (src, dst))
-                self.manager.complete_load(keys[:hits])
-                if result.success:
-                    self.stats.loaded_blocks += hits
-                    if self.kv_bytes.matches(gpu_ids[:hits], keys[:hits]):
-                        self.stats.verified += hits
-                    else:
-                        self.stats.mismatched += hits
+                self.stats.loaded_blocks += hits
+                if self.kv_bytes.matches(gpu_ids[:hits], keys[:hits]):
+                    self.stats.verified += hits
                 else:
-                    self.stats.failed_transfers += 1
-                    hits = 0  # recompute everything
-            # 3. "Compute" the rest of the request's KV.
+                    self.stats.mismatched += hits
+            # 2. "Compute" the rest of the request's KV, then offload what the pool lacks.
             self.kv_bytes.compute(gpu_ids[hits:], keys[hits:])
-            # 4. Offload what the pool does not hold yet (evicting if it must).
-            out = self.manager.prepare_store(keys[hits:], ctx)
-            if out is not None and out.keys_to_store:
-                slot = {k: g for k, g in zip(keys, gpu_ids, strict=True)}
-                src_ids = [slot[k] for k in out.keys_to_store]
-                src_gpu = GPULoadStoreSpec(
-                    src_ids, [len(src_ids)], [keys.index(out.keys_to_store[0])]
-                )
-                result = await self.worker.transfer_async(self._job(), (src_gpu, out.store_spec))
-                self.manager.complete_store(out.keys_to_store, success=result.success)
-                if not result.success:
-                    self.stats.failed_transfers += 1
+            await self.off.store(keys, gpu_ids)
         finally:
             await self.gpu.give_back(gpu_ids)
         self.stats.requests += 1
@@ -240,52 +202,70 @@ class Scheduler:
 # -- progress and summary ----------------------------------------------------------------
 
 
-async def show_progress(telemetry: Telemetry, stats: Stats, total: int) -> None:
+def hit_rate(snap: OffloaderStatistics) -> float:
+    asked = snap.hit_blocks + snap.miss_blocks
+    return snap.hit_blocks / asked if asked else 0.0
+
+
+async def show_progress(off: Offloader, stats: Stats, total: int) -> None:
     """Redraw one line in place on a terminal; print a plain line per second otherwise."""
     tty = sys.stdout.isatty()
-    window = [telemetry.snapshot()]  # the last second of snapshots, for the rate
+    # Recent (time, snapshot) pairs: the rate is taken over about the last second.
+    window: deque[tuple[float, OffloaderStatistics]] = deque(maxlen=10 if tty else 1)
+    window.append((time.perf_counter(), off.statistics()))
 
-    def draw(snap: Snapshot) -> None:
+    def draw(now: float, snap: OffloaderStatistics) -> None:
+        then, old = window[0]
+        moved = snap.load_bytes + snap.store_bytes - old.load_bytes - old.store_bytes
+        gbps = moved / (now - then) / 1e9 if now > then else 0.0
         done = stats.requests
-        bar = "#" * (30 * done // total)
         line = (
-            f"[{bar:<30}] {done:4d}/{total} req  hit {snap.hit_rate:6.1%}  "
-            f"{snap.gbps_since(window[0]):5.2f} GB/s  evicted {snap.evicted_blocks}"
+            f"[{'#' * (30 * done // total):<30}] {done:4d}/{total} req  "
+            f"hit {hit_rate(snap):6.1%}  {gbps:5.2f} GB/s  evicted {snap.blocks_evicted}  "
+            f"copies in flight {snap.loads_in_flight + snap.stores_in_flight}"
         )
         print(f"\r{line}\x1b[K" if tty else line, end="" if tty else "\n", flush=True)
 
     try:
-        async for snap in telemetry.every(0.1 if tty else 1.0):
-            draw(snap)
-            window = [*window[-9:], snap] if tty else [snap]
+        while True:
+            await asyncio.sleep(0.1 if tty else 1.0)
+            now, snap = time.perf_counter(), off.statistics()
+            draw(now, snap)
+            window.append((now, snap))
     finally:
         if tty:  # leave the finished bar on screen
-            draw(telemetry.snapshot())
+            draw(time.perf_counter(), off.statistics())
             print()
 
 
-def print_summary(args: argparse.Namespace, snap: Snapshot, stats: Stats, wall: float) -> None:
+def print_summary(
+    args: argparse.Namespace, snap: OffloaderStatistics, stats: Stats, wall: float
+) -> None:
     def gib(n: int) -> str:
         return f"{n / 2**30:.2f} GiB"
 
+    def gbps(n: int, seconds: float) -> str:
+        return f"{n / seconds / 1e9 if seconds else 0.0:.2f} GB/s"
+
+    asked = snap.hit_blocks + snap.miss_blocks
     rows = [
         ("requests", f"{stats.requests} in {wall:.1f} s ({args.concurrency} in flight)"),
-        ("hit rate", f"{snap.hit_rate:.1%} of {snap.looked_up_blocks} blocks looked up"),
-        ("blocks stored", f"{snap.stored_blocks}"),
+        ("hit rate", f"{hit_rate(snap):.1%} of {asked} blocks looked up"),
+        ("blocks stored", f"{snap.blocks_stored} ({snap.blocks_skipped} already held)"),
         ("blocks loaded", f"{stats.loaded_blocks}"),
-        ("blocks evicted", f"{snap.evicted_blocks}"),
+        ("blocks evicted", f"{snap.blocks_evicted}"),
         (
             "GPU -> CPU",
-            f"{gib(snap.store.bytes)} in {snap.store.transfers} transfers, "
-            f"{snap.store.copy_gbps:.2f} GB/s while copying",
+            f"{gib(snap.store_bytes)} in {snap.store_transfers} transfers, "
+            f"{gbps(snap.store_bytes, snap.store_seconds)} while copying",
         ),
         (
             "CPU -> GPU",
-            f"{gib(snap.load.bytes)} in {snap.load.transfers} transfers, "
-            f"{snap.load.copy_gbps:.2f} GB/s while copying",
+            f"{gib(snap.load_bytes)} in {snap.load_transfers} transfers, "
+            f"{gbps(snap.load_bytes, snap.load_seconds)} while copying",
         ),
-        ("failed transfers", f"{stats.failed_transfers}"),
-        ("lookups retried", f"{stats.retries} (a store of the prefix was in flight)"),
+        ("failed transfers", f"{snap.load_transfer_failures + snap.store_transfer_failures}"),
+        ("store waits", f"{snap.store_waits} (a load waited for its prefix's store)"),
         ("verified", f"{stats.verified}/{stats.loaded_blocks}"),
     ]
     width = max(len(name) for name, _ in rows)
@@ -293,7 +273,7 @@ def print_summary(args: argparse.Namespace, snap: Snapshot, stats: Stats, wall: 
         print(f"  {name:<{width}}  {value}")
 
 
-async def main_async(args: argparse.Namespace, **handler_options: Any) -> int:
+async def main_async(args: argparse.Namespace, **handler_options: object) -> int:
     # The engine's KV cache: per layer, K and V stacked in front (FlashAttention).
     shape = (2, args.gpu_blocks, args.block_tokens, args.kv_heads, args.head_dim)
     layers = {
@@ -321,40 +301,36 @@ async def main_async(args: argparse.Namespace, **handler_options: Any) -> int:
 
     kv_bytes = KVBytes(kv, args.seed)
     started = time.perf_counter()
-    spec = CPUOffloadingSpec(config, handler_options=handler_options)
-    async with spec, OffloadingWorker() as worker:
-        for route in spec.get_handlers(kv):
-            worker.register_handler(*route)
-        manager = spec.get_manager()
-        async with Telemetry(manager, worker) as telemetry:
-            scheduler = Scheduler(manager, worker, kv_bytes, GPUBlocks(args.gpu_blocks), telemetry)
-            progress = asyncio.create_task(show_progress(telemetry, scheduler.stats, len(requests)))
-            queue: asyncio.Queue[Request] = asyncio.Queue()
-            for request in requests:
-                queue.put_nowait(request)
+    async with Offloader(config, kv, handler_options=handler_options) as off:
+        scheduler = Scheduler(off, kv_bytes, GPUBlocks(args.gpu_blocks))
+        progress = asyncio.create_task(show_progress(off, scheduler.stats, len(requests)))
+        queue: asyncio.Queue[Request] = asyncio.Queue()
+        for request in requests:
+            queue.put_nowait(request)
 
-            async def serve_queue() -> None:
-                while not queue.empty():
-                    await scheduler.serve(queue.get_nowait())
+        async def serve_queue() -> None:
+            while not queue.empty():
+                await scheduler.serve(queue.get_nowait())
 
-            async with asyncio.TaskGroup() as group:
-                for _ in range(args.concurrency):
-                    group.create_task(serve_queue())
-            progress.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await progress
+        async with asyncio.TaskGroup() as group:
+            for _ in range(args.concurrency):
+                group.create_task(serve_queue())
+        progress.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await progress
         wall = time.perf_counter() - started
+        snap = off.statistics()
     stats = scheduler.stats
-    print_summary(args, telemetry.snapshot(), stats, wall)
+    print_summary(args, snap, stats, wall)
     if stats.mismatched or stats.verified != stats.loaded_blocks:
         print(f"FAILED: {stats.mismatched} reloaded blocks differ from what was stored")
         return 1
     return 0
 
 
-def main(argv: Sequence[str] | None = None, **handler_options: Any) -> int:
+def main(argv: Sequence[str] | None = None, **handler_options: object) -> int:
     """Run the demo; ``handler_options`` go to the host handlers (e.g. a ``copy_fn``)."""
-    return run(main_async(parse_args(argv), **handler_options))
+    return aiokvo.run(main_async(parse_args(argv), **handler_options))
 
 
 if __name__ == "__main__":

@@ -38,21 +38,25 @@ def test_telemetry_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
 # -- the demo (make demo) ------------------------------------------------------------
 
 
-# Few prefixes and little concurrency: plenty of reloads in every run, whatever the timing.
+# Few prefixes: plenty of reloads in every run, whatever the timing.
 DEMO_ARGS = ["--requests", "60", "--prefixes", "4", "--layers", "2", "--gpu-blocks", "96",
-             "--cpu-blocks", "48", "--kv-heads", "2", "--head-dim", "64",
-             "--concurrency", "2"]  # fmt: skip
+             "--cpu-blocks", "48", "--kv-heads", "2", "--head-dim", "64"]  # fmt: skip
 
 
-def test_quickstart_demo_verifies_every_reload(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("concurrency", [1, 8, 32, 128])
+def test_quickstart_demo_verifies_every_reload(
+    capsys: pytest.CaptureFixture[str], concurrency: int
+) -> None:
     demo = _load("quickstart")
-    assert demo.main(DEMO_ARGS) == 0
+    assert demo.main([*DEMO_ARGS, "--concurrency", str(concurrency)]) == 0
     out = capsys.readouterr().out
     loaded = int(out.split("blocks loaded")[1].split()[0])
     assert loaded > 0
     assert f"verified          {loaded}/{loaded}" in out
     assert "requests          60 in" in out
+    assert f"({concurrency} in flight)" in out
     assert int(out.split("blocks evicted")[1].split()[0]) > 0  # the pool was too small
+    assert "failed transfers  0" in out
 
 
 def test_quickstart_demo_exits_non_zero_on_corrupt_reload(
@@ -67,5 +71,7 @@ def test_quickstart_demo_exits_non_zero_on_corrupt_reload(
                 page[0] = (int(page[0]) + 1) % 256  # not an involution: stays wrong on reload
 
     demo = _load("quickstart")
-    assert demo.main(DEMO_ARGS, copy_fn=corrupting) == 1
-    assert "FAILED" in capsys.readouterr().out
+    assert demo.main([*DEMO_ARGS, "--concurrency", "8"], copy_fn=corrupting) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out
+    assert int(out.split("FAILED: ")[1].split()[0]) > 0  # mismatches were counted
