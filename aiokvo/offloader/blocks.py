@@ -80,15 +80,18 @@ class GpuGeometry:
                 f"{what}: the KV caches have {self.num_groups} groups; pass a GPULoadStoreSpec "
                 f"that says which GPU blocks belong to which group, not a flat list"
             )
-        ids = _as_ids(gpu_block_ids, what)
         factor = self.factor
+        if type(gpu_block_ids) is list:  # the common case: a few Python ints
+            ids = _list_ids(gpu_block_ids, self.rows[0], what)
+        else:
+            ids = _as_ids(gpu_block_ids, what)
+            check_ids_in_range(ids, self.rows[0], "GPU block id", f"{what}, group 0")
         if ids.shape[0] != num_keys * factor:
             per_key = "one GPU block" if factor == 1 else f"{factor} GPU blocks"
             raise TransferSpecError(
                 f"{what}: {num_keys} keys need {num_keys * factor} GPU block ids "
                 f"({per_key} per key), got {ids.shape[0]}"
             )
-        check_ids_in_range(ids, self.rows[0], "GPU block id", f"{what}, group 0")
         return GpuBlocks(ids, factor, None, num_keys)
 
     def _resolve_spec(self, num_keys: int, spec: GPULoadStoreSpec, what: str) -> GpuBlocks:
@@ -237,6 +240,20 @@ class GpuBlocks:
 
 def _increasing(indices: Sequence[int]) -> bool:
     return all(a < b for a, b in pairwise(indices))
+
+
+def _list_ids(value: list[Any], rows: int, what: str) -> Int64Array:
+    """A list of block ids as int64, each checked to be an int in ``0..rows-1``."""
+    ids = np.array(value)
+    if ids.dtype.kind not in "iu" or ids.ndim != 1:
+        if not value:
+            return ids.astype(np.int64)
+        raise TransferSpecError(
+            f"{what}: GPU block ids must be a flat sequence of integers, got {value!r}"
+        )
+    if value and (min(value) < 0 or max(value) >= rows):
+        check_ids_in_range(ids, rows, "GPU block id", f"{what}, group 0")  # raises, naming it
+    return ids if ids.dtype == np.int64 else ids.astype(np.int64)
 
 
 def _as_ids(value: object, what: str) -> Int64Array:

@@ -14,9 +14,9 @@ the whole workflow:
   reservation** (``store``);
 * **every copy finishes itself**: its task's done-callback calls the
   manager's ``complete_*`` once, when the copy has ended, whatever happened to
-  the coroutine that awaited it; that coroutine awaits a future the callback
-  resolves *after* ``complete_*``, through a shield, so cancelling it cancels
-  the wait and never the copy;
+  the coroutine that awaited it; that coroutine awaits a future of its own
+  (:class:`~aiokvo.offloader.inflight.InFlight`) that the callback resolves
+  *after* ``complete_*``, so cancelling it cancels the wait and never the copy;
 * **stores in flight can be awaited**: each key being written maps to its
   store's future, which ``ready`` and ``load_prefix`` wait on (no polling).
 
@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Mapping
 from functools import partial
-from typing import Any, TypeAlias
+from typing import Any
 
 from aiokvo._util import AsyncResource, check_int
 from aiokvo.config import OffloadConfig
@@ -48,6 +48,7 @@ from aiokvo.layout import CanonicalKVCaches, EngineKVCaches, KVLayout
 from aiokvo.manager.base import OffloadingManager
 from aiokvo.manager.sink import OverflowPolicy
 from aiokvo.offloader.blocks import GpuBlockIds, GpuBlocks, GpuGeometry
+from aiokvo.offloader.inflight import InFlight
 from aiokvo.offloader.lease import PrefixLease
 from aiokvo.offloader.results import OffloaderStatistics, StoreResult
 from aiokvo.offloading_spec import CPUOffloadingSpec, OffloadingSpec
@@ -55,8 +56,6 @@ from aiokvo.runtime.poller import EventPoller
 from aiokvo.specs import GPULoadStoreSpec, LoadStoreSpec, ReqContext, TransferResult
 
 __all__ = ["Offloader"]
-
-_Done: TypeAlias = "asyncio.Future[TransferResult]"
 
 _POLL_INTERVAL = 0.001
 """Seconds between looks at a store the Offloader did not start (made by hand on
@@ -119,9 +118,9 @@ class Offloader(AsyncResource):
         self._geometry = GpuGeometry(kv, spec.block_size_factor)
         self._ctx = ReqContext()
         self._loop: asyncio.AbstractEventLoop | None = None
-        # key being written by one of our stores -> that store's future
-        self._writing: dict[OffloadKey, _Done] = {}
-        self._copies: dict[int, _Done] = {}  # job id -> future, for every copy in flight
+        # key being written by one of our stores -> that store's copy
+        self._writing: dict[OffloadKey, InFlight] = {}
+        self._copies: dict[int, InFlight] = {}  # job id -> copy, for every copy in flight
         self._leases: set[PrefixLease] = set()  # leases holding pins, not loading
         self._next_job = 0
         self._closing = False
@@ -287,16 +286,16 @@ class Offloader(AsyncResource):
             self._manager.complete_store(reserved, success=False)
             self._blocks_store_failed += len(reserved)
             raise
-        done = self._track(task)
-        self._writing.update(dict.fromkeys(reserved, done))
+        copy = self._track(task)
+        self._writing.update(dict.fromkeys(reserved, copy))
         self._stores_in_flight += 1
-        task.add_done_callback(partial(self._store_done, reserved, done))
+        task.add_done_callback(partial(self._store_done, reserved, copy))
         skipped: tuple[OffloadKey, ...] = ()
         if len(reserved) != len(keys):
             taken = set(reserved)
             skipped = tuple(k for k in dict.fromkeys(keys) if k not in taken)
             self._blocks_skipped += len(skipped)
-        result = await self._wait(done)
+        result = await self._wait(copy)
         if result.success:
             return StoreResult(stored=tuple(reserved), skipped=skipped, evicted=evicted)
         return StoreResult(skipped=skipped, evicted=evicted, failed=tuple(reserved))
@@ -314,12 +313,12 @@ class Offloader(AsyncResource):
             return
         keys = _as_list(keys)
         while True:
-            stores = {done for key in keys if (done := writing.get(key)) is not None}
+            stores = {copy for key in keys if (copy := writing.get(key)) is not None}
             if not stores:
                 return
             self._waiters += 1
             try:
-                await asyncio.wait(stores)
+                await asyncio.wait([copy.ended() for copy in stores])
             finally:
                 self._waiters -= 1
 
@@ -331,7 +330,7 @@ class Offloader(AsyncResource):
         later are not waited for.
         """
         if self._copies:
-            await asyncio.wait(list(self._copies.values()))
+            await asyncio.wait([copy.ended() for copy in self._copies.values()])
 
     # ------------------------------------------------------------- lifecycle
     async def aclose(self) -> None:
@@ -347,7 +346,7 @@ class Offloader(AsyncResource):
 
     async def _close(self) -> None:
         while self._copies:
-            await asyncio.wait(list(self._copies.values()))
+            await asyncio.wait([copy.ended() for copy in self._copies.values()])
         for lease in list(self._leases):
             lease.release()
         try:
@@ -434,8 +433,8 @@ class Offloader(AsyncResource):
         start, stop = group
         writing = self._writing
         for i in range(start, stop):
-            done = writing.get(keys[i])
-            if done is not None:
+            copy = writing.get(keys[i])
+            if copy is not None:
                 break
         else:  # written by someone who did not go through us: nothing to await
             self._polled_waits += 1
@@ -443,11 +442,12 @@ class Offloader(AsyncResource):
             return limit
         self._store_waits += 1
         self._waiters += 1
+        ended = copy.ended()
         try:
-            await asyncio.wait((done,))
+            await asyncio.wait((ended,))
         finally:
             self._waiters -= 1
-        return limit if done.result().success else min(limit, i - start)
+        return limit if ended.result().success else min(limit, i - start)
 
     def _start_load(
         self,
@@ -455,8 +455,8 @@ class Offloader(AsyncResource):
         src: LoadStoreSpec,
         dst: GPULoadStoreSpec,
         lease: PrefixLease | None,
-    ) -> _Done:
-        """Submit the copy of pinned ``keys``; the future resolves after ``complete_load``.
+    ) -> InFlight:
+        """Submit the copy of pinned ``keys``; it finishes after ``complete_load``.
 
         If the copy cannot be submitted, the pins are released and the error raised.
         """
@@ -468,12 +468,12 @@ class Offloader(AsyncResource):
                 self._leases.discard(lease)
                 lease._loaded()
             raise
-        done = self._track(task)
+        copy = self._track(task)
         self._loads_in_flight += 1
         if lease is not None:
             self._leases.discard(lease)  # the copy holds the pins now
-        task.add_done_callback(partial(self._load_done, keys, done, lease))
-        return done
+        task.add_done_callback(partial(self._load_done, keys, copy, lease))
+        return copy
 
     def _release_lease(self, lease: PrefixLease) -> None:
         """Give back the pins of a lease that was never loaded."""
@@ -481,25 +481,24 @@ class Offloader(AsyncResource):
         if lease.keys:
             self._manager.complete_load(lease.keys)
 
-    def _track(self, task: TransferTask) -> _Done:
+    def _track(self, task: TransferTask) -> InFlight:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        done: _Done = loop.create_future()
-        self._copies[task.job_id] = done
-        return done
+        copy = self._copies[task.job_id] = InFlight(loop)
+        return copy
 
-    async def _wait(self, done: _Done) -> TransferResult:
-        """Await a copy's future without letting a cancellation reach it."""
+    async def _wait(self, copy: InFlight) -> TransferResult:
+        """Await the caller's side of a copy (a cancellation stops only this wait)."""
         try:
-            return await asyncio.shield(done)
+            return await copy.caller
         except asyncio.CancelledError:
             self._cancelled_waits += 1
             raise
 
     # Done-callbacks: each runs once, on the loop, when its copy has finished.
     def _load_done(
-        self, keys: list[OffloadKey], done: _Done, lease: PrefixLease | None, task: TransferTask
+        self, keys: list[OffloadKey], copy: InFlight, lease: PrefixLease | None, task: TransferTask
     ) -> None:
         result = task.result()
         try:
@@ -519,10 +518,9 @@ class Offloader(AsyncResource):
             else:
                 self._blocks_load_failed += len(keys)
                 self._load_failures += 1
-            if not done.done():
-                done.set_result(result)
+            copy.finish(result)
 
-    def _store_done(self, keys: list[OffloadKey], done: _Done, task: TransferTask) -> None:
+    def _store_done(self, keys: list[OffloadKey], copy: InFlight, task: TransferTask) -> None:
         result = task.result()
         try:
             self._manager.complete_store(keys, success=result.success)
@@ -542,8 +540,7 @@ class Offloader(AsyncResource):
             else:
                 self._blocks_store_failed += len(keys)
                 self._store_failures += 1
-            if not done.done():
-                done.set_result(result)
+            copy.finish(result)
 
     def _report(self, call: str, error: Exception) -> None:
         loop = self._loop or asyncio.get_running_loop()

@@ -10,13 +10,13 @@ the pins until :meth:`PrefixLease.load_into` has copied the blocks, or until
 
 from __future__ import annotations
 
-import asyncio
 from typing import Protocol
 
 from aiokvo._util import AsyncResource
 from aiokvo.errors import LeaseError
 from aiokvo.keys import OffloadKey
 from aiokvo.offloader.blocks import GpuBlockIds, GpuGeometry
+from aiokvo.offloader.inflight import InFlight
 from aiokvo.specs import GPULoadStoreSpec, LoadStoreSpec, TransferResult
 
 __all__ = ["LeaseOwner", "PrefixLease"]
@@ -35,9 +35,9 @@ class LeaseOwner(Protocol):
         src: LoadStoreSpec,
         dst: GPULoadStoreSpec,
         lease: PrefixLease | None,
-    ) -> asyncio.Future[TransferResult]: ...
+    ) -> InFlight: ...
 
-    async def _wait(self, done: asyncio.Future[TransferResult]) -> TransferResult: ...
+    async def _wait(self, copy: InFlight) -> TransferResult: ...
 
     def _release_lease(self, lease: PrefixLease) -> None: ...
 
@@ -94,8 +94,8 @@ class PrefixLease(AsyncResource):
             self._state = _RELEASED
             return 0
         self._state = _LOADING  # a failed submission releases the pins and says so (_loaded)
-        done = offloader._start_load(list(self.keys), self.src_spec, blocks.all(), self)
-        result = await offloader._wait(done)
+        copy = offloader._start_load(list(self.keys), self.src_spec, blocks.all(), self)
+        result = await offloader._wait(copy)
         return self.count if result.success else 0
 
     def release(self) -> None:
