@@ -7,9 +7,12 @@ became readable, blocks evicted) and to a worker (``worker.get_finished()``:
 bytes and copy time per direction). The scheduler adds what only it knows,
 the outcome of each ``lookup_prefix``, with :meth:`Telemetry.record_lookup`.
 ``async for snap in telemetry.every(1.0)`` then yields a :class:`Snapshot`
-per interval. ``examples/quickstart.py`` draws its progress bar from it; run
-on its own, this file drives a small random store/load workload for a few
-seconds and prints one aggregate line per second.
+per interval. Run on its own, this file drives a small random store/load
+workload for a few seconds through the low-level API (one coroutine, so
+awaiting between a lookup and its completion is safe here) and prints one
+aggregate line per second. An :class:`aiokvo.Offloader` keeps these numbers
+itself: ``examples/quickstart.py`` draws its progress line from
+``off.statistics()``.
 """
 
 from __future__ import annotations
