@@ -197,6 +197,14 @@ class GpuBlocks:
         ids = np.concatenate(parts) if len(parts) > 1 else parts[0]
         return _gpu_spec(ids, tuple(sizes), tuple(g.first for g in self._groups)), keys
 
+    def tail(self, start: int) -> GPULoadStoreSpec:
+        """The spec of keys ``start`` to the last (a store whose prefix is held)."""
+        if self._groups is None:
+            first = start * self._factor
+            ids = self._ids[first:]
+            return _gpu_spec(ids, (ids.shape[0],), (first,))
+        return self.select(range(start, self.num_keys))
+
     def select(self, indices: Sequence[int]) -> GPULoadStoreSpec:
         """The spec of the keys at ``indices`` (call order), their blocks in that order.
 

@@ -277,10 +277,15 @@ class Offloader(AsyncResource):
             held = tuple(dict.fromkeys(keys))
             self._blocks_skipped += len(held)
             return StoreResult(skipped=held, evicted=evicted)
-        # First position of each key (a key listed twice is stored from its first blocks).
-        position = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1), strict=True))
+        start = len(keys) - len(reserved)
+        # The usual shape: everything new, or a held prefix and a new tail, no key twice.
+        tail = reserved == keys[start:] and (start == 0 or len(set(keys)) == len(keys))
         try:
-            src = blocks.select([position[key] for key in reserved])
+            if tail:
+                src = blocks.tail(start)
+            else:  # a key listed twice is stored from its first blocks
+                position = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1), strict=True))
+                src = blocks.select([position[key] for key in reserved])
             task = self._worker.transfer_async(self._job(), (src, out.store_spec))
         except BaseException:
             self._manager.complete_store(reserved, success=False)
@@ -291,10 +296,12 @@ class Offloader(AsyncResource):
         self._stores_in_flight += 1
         task.add_done_callback(partial(self._store_done, reserved, copy))
         skipped: tuple[OffloadKey, ...] = ()
-        if len(reserved) != len(keys):
+        if tail:
+            skipped = tuple(keys[:start])
+        else:
             taken = set(reserved)
             skipped = tuple(k for k in dict.fromkeys(keys) if k not in taken)
-            self._blocks_skipped += len(skipped)
+        self._blocks_skipped += len(skipped)
         result = await self._wait(copy)
         if result.success:
             return StoreResult(stored=tuple(reserved), skipped=skipped, evicted=evicted)

@@ -33,6 +33,8 @@ def test_one_group_maps_key_i_to_block_i() -> None:
     assert (ids(spec), spec.group_sizes, indices) == ([7, 3], (2,), None)
     chosen = blocks.select([3, 1])
     assert (ids(chosen), chosen.group_sizes, chosen.block_indices) == ([1, 3], (2,), (3,))
+    tail = blocks.tail(2)
+    assert (ids(tail), tail.group_sizes, tail.block_indices) == ([9, 1], (2,), (2,))
 
 
 def test_factor_two_gives_each_key_two_blocks() -> None:
@@ -40,6 +42,7 @@ def test_factor_two_gives_each_key_two_blocks() -> None:
     assert ids(blocks.prefix(2)[0]) == [0, 1, 4, 5]
     chosen = blocks.select([0, 2])
     assert (ids(chosen), chosen.block_indices) == ([0, 1, 8, 9], (0,))
+    assert ids(blocks.tail(1)) == [4, 5, 8, 9] and blocks.tail(1).block_indices == (2,)
     with pytest.raises(TransferSpecError, match="3 keys need 6 GPU block ids \\(2 GPU blocks"):
         geometry(factor=2).resolve(3, [0, 1, 4], "store")
 
@@ -60,6 +63,7 @@ def test_a_spec_with_groups_and_a_partial_first_block() -> None:
     )  # fmt: skip
     with pytest.raises(AssertionError, match="out of order"):
         blocks.select([3, 1])
+    assert ids(blocks.tail(3)) == ids(blocks.select([3])) == [22, 23]
 
 
 @pytest.mark.parametrize("pick", [[0], [1], [0, 1], [1, 3], [0, 2, 3], [0, 1, 2, 3]])
