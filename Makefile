@@ -30,6 +30,7 @@ test: lint unit
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_manager.py
 	$(BIN)/python benchmarks/bench_async.py
+	$(BIN)/python benchmarks/bench_offloader.py
 
 # Side by side with vLLM 0.32's manager, installed into its own venv (not a dependency).
 .vllm-peer/bin/python:
