@@ -530,3 +530,28 @@ async def test_a_load_waiting_for_a_store_when_the_offloader_closes_raises(
     assert (await store).ok
     with pytest.raises(OffloaderClosedError, match="load_prefix"):
         await load
+
+
+async def test_with_several_groups_a_load_waits_for_a_store_in_any_group(copies: Copies) -> None:
+    kv = KV(32, groups=2)
+    async with Offloader(
+        counting_config(kv, 16), kv.caches, handler_options={"copy_fn": copies}
+    ) as off:
+        g0 = keys("a", "b", group=0)
+        g1 = keys("a", "b", group=1)
+        kv.write([0, 1], g0, group=0)
+        kv.write([4, 5], g1, group=1)
+        await off.store(g0 + g1[:1], GPULoadStoreSpec([0, 1, 4], [2, 1], [0, 0]))
+        copies.gate.clear()  # group 1's second key: in flight
+        store = asyncio.ensure_future(off.store(g1[1:], GPULoadStoreSpec([5], [0, 1], [0, 1])))
+        while off.statistics().stores_in_flight == 0:
+            await asyncio.sleep(0)
+        dst = GPULoadStoreSpec([10, 11, 20, 21], [2, 2], [0, 0])
+        load = asyncio.ensure_future(off.load_prefix(g0 + g1, dst))
+        await asyncio.sleep(0.01)
+        assert not load.done() and off.statistics().store_waits == 1
+        copies.gate.set()
+        assert (await store).stored == tuple(g1[1:])
+        assert await load == 2
+        assert kv.holds([10, 11], g0, group=0) and kv.holds([20, 21], g1, group=1)
+        assert_idle(off)
