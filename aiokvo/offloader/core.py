@@ -513,9 +513,10 @@ class Offloader(AsyncResource):
         except Exception as exc:  # a manager bug must not strand the waiters
             self._report("complete_load", exc)
         finally:
+            # Nothing below can raise, so the waiters are always woken.
             if lease is not None:
                 lease._loaded()
-            del self._copies[result.job_id]
+            self._copies.pop(result.job_id, None)
             self._loads_in_flight -= 1
             self._load_transfers += 1
             if result.success:
@@ -534,10 +535,11 @@ class Offloader(AsyncResource):
         except Exception as exc:  # a manager bug must not strand the waiters
             self._report("complete_store", exc)
         finally:
+            # Nothing below can raise, so the waiters are always woken.
             writing = self._writing
             for key in keys:
-                del writing[key]
-            del self._copies[result.job_id]
+                writing.pop(key, None)
+            self._copies.pop(result.job_id, None)
             self._stores_in_flight -= 1
             self._store_transfers += 1
             if result.success:

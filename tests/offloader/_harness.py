@@ -157,6 +157,7 @@ class CountingManager(CPUOffloadingManager):
         self.completed_stores = 0
         self.completed_loads = 0
         self.violations: list[str] = []
+        self.explode: Exception | None = None  # raised once by the next complete_*, after it ran
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -174,6 +175,7 @@ class CountingManager(CPUOffloadingManager):
         self.open_stores += Counter()  # drop zero counts
         self.completed_stores += 1
         super().complete_store(keys, success)
+        self._maybe_explode()
 
     def prepare_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -191,6 +193,12 @@ class CountingManager(CPUOffloadingManager):
         self.open_loads += Counter()
         self.completed_loads += 1
         super().complete_load(keys)
+        self._maybe_explode()
+
+    def _maybe_explode(self) -> None:
+        error, self.explode = self.explode, None
+        if error is not None:
+            raise error
 
 
 class CountingSpec(CPUOffloadingSpec):

@@ -555,3 +555,24 @@ async def test_with_several_groups_a_load_waits_for_a_store_in_any_group(copies:
         assert await load == 2
         assert kv.holds([10, 11], g0, group=0) and kv.holds([20, 21], g1, group=1)
         assert_idle(off)
+
+
+@pytest.mark.parametrize("call", ["store", "load_prefix"])
+async def test_a_manager_that_raises_in_complete_still_wakes_the_caller(
+    setup: tuple[Offloader, KV], call: str
+) -> None:
+    off, kv = setup
+    seen: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, context: seen.append(context))
+    ks = keys("a")
+    kv.write([0], ks)
+    if call == "load_prefix":
+        await off.store(ks, [0])
+    counting(off).explode = RuntimeError("manager bug")
+    if call == "store":
+        assert (await asyncio.wait_for(off.store(ks, [0]), 10)).stored == tuple(ks)
+    else:
+        assert await asyncio.wait_for(off.load_prefix(ks, [1]), 10) == 1
+    assert [str(c["exception"]) for c in seen] == ["manager bug"]
+    assert "complete_" in str(seen[0]["message"])
+    assert_idle(off)
