@@ -18,6 +18,7 @@ __all__ = [
     "DuplicateJobError",
     "DuplicateRouteError",
     "HandlerClosedError",
+    "InvalidKeyError",
     "InvalidSpecError",
     "LeaseError",
     "OffloaderClosedError",
@@ -57,6 +58,15 @@ class SpecLoadError(ConfigError):
 
 class InvalidSpecError(AiokvoError, ValueError):
     """A ``LoadStoreSpec`` whose fields contradict each other."""
+
+
+class InvalidKeyError(AiokvoError, ValueError):
+    """Something that is not an ``OffloadKey`` (or a list of them) was passed as one.
+
+    A key is ``bytes``: a block hash of at least one byte, then a 4-byte group
+    index. A bare key where a list is expected is refused too: iterating it
+    would yield ints.
+    """
 
 
 class UnknownKeyError(AiokvoError, KeyError):

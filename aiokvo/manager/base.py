@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
-from aiokvo.keys import OffloadKey
+from aiokvo.keys import OffloadKey, key_sequence
 from aiokvo.manager.sink import EventSink, OverflowPolicy
 from aiokvo.manager.stats import ManagerStatistics
 from aiokvo.specs import LoadStoreSpec, OffloadingEvent, PrepareStoreOutput, ReqContext
@@ -51,7 +51,7 @@ class OffloadingManager(ABC):
         written, because the prefix may grow once that store completes.
         """
         hits = 0
-        for key in keys:
+        for key in key_sequence(keys, "lookup_prefix"):
             found = self.lookup(key, req_context)
             if found is None:
                 return None

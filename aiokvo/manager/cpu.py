@@ -17,13 +17,13 @@ Decisions are exactly the seed's; see docs/manager.md.
 from __future__ import annotations
 
 from collections.abc import Collection, Container, Iterable, Sequence
-from itertools import islice
+from itertools import filterfalse, islice
 
 import numpy as np
 
 from aiokvo._util import check_int
 from aiokvo.errors import BlockNotReadyError, UnknownKeyError
-from aiokvo.keys import OffloadKey
+from aiokvo.keys import GROUP_IDX_BYTES, OffloadKey, check_keys, describe_key, key_sequence
 from aiokvo.manager.base import OffloadingManager
 from aiokvo.manager.policies.base import WRITING, BlockStatus, CachePolicy
 from aiokvo.manager.policies.registry import resolve_policy
@@ -50,15 +50,17 @@ def _cpu_spec(block_ids: list[int]) -> CPULoadStoreSpec:
     return spec
 
 
-def _as_sequence(keys: Iterable[OffloadKey]) -> Sequence[OffloadKey]:
-    return keys if isinstance(keys, (list, tuple)) else list(keys)
-
-
 class CPUOffloadingManager(OffloadingManager):
     """Offloads blocks to a pool of ``num_blocks`` CPU blocks.
 
     Block ids are handed out as the seed does: never-used ids in increasing
     order first, then freed ids, the most recently freed first.
+
+    Every entry point refuses a bare key where a list is expected, and
+    anything that is not an ``OffloadKey``, with
+    :class:`~aiokvo.errors.InvalidKeyError` before changing anything. Keys
+    found in the pool were checked when they were stored, so only keys that
+    are not found are checked on the hot path (docs/manager.md).
     """
 
     medium = CPULoadStoreSpec.medium()
@@ -137,7 +139,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     def block_status(self, key: OffloadKey) -> BlockStatus | None:
         """A snapshot of ``key``'s block, or None when it is not offloaded."""
-        block_id = self._policy.get(key)
+        block_id = self._get(key, "block_status")
         if block_id is None:
             return None
         if key in self._writing:
@@ -146,13 +148,30 @@ class CPUOffloadingManager(OffloadingManager):
             return BlockStatus(block_id, 1 + self._extra_pins.get(key, 0))
         return BlockStatus(block_id, 0)
 
+    def _get(self, key: OffloadKey, what: str) -> int | None:
+        try:
+            block_id = self._policy.get(key)
+        except TypeError:  # unhashable
+            block_id = None
+        if block_id is None:
+            check_keys((key,), what)
+        return block_id
+
     # -- lookups ---------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
-        self._lookups += 1
-        if key not in self._table_a and key not in self._table_b:
+        try:
+            absent = key not in self._table_a and key not in self._table_b
+        except TypeError:  # unhashable: certainly not a key
+            check_keys((key,), "lookup")
+            raise
+        if absent:
+            if type(key) is not bytes or len(key) <= GROUP_IDX_BYTES:
+                check_keys((key,), "lookup")
+            self._lookups += 1
             self._lookup_misses += 1
             return False
+        self._lookups += 1
         if key in self._writing:
             self._lookup_in_flight += 1
             return None
@@ -162,8 +181,14 @@ class CPUOffloadingManager(OffloadingManager):
     def lookup_prefix(
         self, keys: Iterable[OffloadKey], req_context: ReqContext
     ) -> int | None:
-        keys = _as_sequence(keys)
-        hits = self._policy.prefix_len(keys)
+        keys = key_sequence(keys, "lookup_prefix")
+        try:
+            hits = self._policy.prefix_len(keys)
+        except TypeError:
+            check_keys(keys, "lookup_prefix")
+            raise
+        if hits < len(keys):  # the key it stopped at was not found, so not checked yet
+            check_keys((keys[hits],), "lookup_prefix")
         self._lookups += 1
         # Every key of the cached prefix is ready unless one is being written;
         # then the loop form would have stopped there and answered None.
@@ -181,10 +206,10 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> CPULoadStoreSpec:
-        keys = _as_sequence(keys)
+        keys = key_sequence(keys, "prepare_load")
         try:
             block_ids = self._policy.block_ids(keys)
-        except KeyError:
+        except (KeyError, TypeError):
             raise self._load_error(keys) from None
         writing = self._writing
         if writing and not writing.isdisjoint(keys):
@@ -209,16 +234,34 @@ class CPUOffloadingManager(OffloadingManager):
             else:
                 pinned.add(key)
 
-    def _load_error(self, keys: Iterable[OffloadKey]) -> UnknownKeyError | BlockNotReadyError:
+    def _load_error(self, keys: Sequence[OffloadKey]) -> UnknownKeyError | BlockNotReadyError:
+        check_keys(keys, "prepare_load")
         for key in keys:
             if key not in self._policy:
-                return UnknownKeyError(f"cannot load key {key!r}: it is not offloaded")
+                return UnknownKeyError(
+                    f"cannot load {describe_key(key)}: it is not offloaded"
+                )
             if key in self._writing:
-                return BlockNotReadyError(f"cannot load key {key!r}: it is still being written")
+                return BlockNotReadyError(
+                    f"cannot load {describe_key(key)}: it is still being written"
+                )
         raise AssertionError("_load_error called without a bad key")
 
     def touch(self, keys: Collection[OffloadKey]) -> None:
-        self._policy.touch(_as_sequence(keys), self._writing)
+        keys = key_sequence(keys, "touch")
+        # Absent keys are ignored, so they are checked here: held keys were
+        # checked when stored, and one C-level probe per key finds the others.
+        try:
+            if self._policy.prefix_len(keys) != len(keys):
+                a, b = self._table_a, self._table_b
+                absent = filterfalse(a.__contains__, keys)
+                if b:
+                    absent = filterfalse(b.__contains__, absent)
+                check_keys(list(absent), "touch")
+        except TypeError:  # unhashable
+            check_keys(keys, "touch")
+            raise
+        self._policy.touch(keys, self._writing)
 
     def complete_load(self, keys: Collection[OffloadKey]) -> None:
         """Release one pin per key; a key without a pending load raises.
@@ -227,9 +270,13 @@ class CPUOffloadingManager(OffloadingManager):
         :class:`BlockNotReadyError` for one with no pending load left, in
         both cases before releasing anything.
         """
-        keys = _as_sequence(keys)
+        keys = key_sequence(keys, "complete_load")
         pinned = self._pinned
-        if not self._extra_pins and pinned.issuperset(keys):  # the usual case
+        try:
+            usual = not self._extra_pins and pinned.issuperset(keys)
+        except TypeError:
+            usual = False
+        if usual:
             before = len(pinned)
             pinned.difference_update(keys)
             if before - len(pinned) == len(keys):
@@ -238,6 +285,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._unpin_slow(keys)
 
     def _unpin_slow(self, keys: Sequence[OffloadKey]) -> None:
+        check_keys(keys, "complete_load")
         pinned, extra = self._pinned, self._extra_pins
         releases: dict[OffloadKey, int] = {}
         for key in keys:
@@ -245,9 +293,11 @@ class CPUOffloadingManager(OffloadingManager):
             held = 1 + extra.get(key, 0) if key in pinned else 0
             if held < wanted:
                 if key not in self._policy:
-                    raise UnknownKeyError(f"cannot complete load of key {key!r}: not offloaded")
+                    raise UnknownKeyError(
+                        f"cannot complete load of {describe_key(key)}: not offloaded"
+                    )
                 raise BlockNotReadyError(
-                    f"cannot complete load of key {key!r}: it has no pending load"
+                    f"cannot complete load of {describe_key(key)}: it has no pending load"
                 )
             releases[key] = wanted
         for key, released in releases.items():
@@ -262,13 +312,20 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
+        keys = key_sequence(keys, "prepare_store")
         # Keys already held are skipped; a key listed twice is stored once.
         # The same dict later serves as the set of protected keys.
-        named = dict.fromkeys(keys)
+        try:
+            named = dict.fromkeys(keys)
+        except TypeError:
+            check_keys(keys, "prepare_store")
+            raise
         new_keys = self._policy.uncached(named)
-        self._stores += 1
         if not new_keys:
+            self._stores += 1
             return PrepareStoreOutput([], _cpu_spec([]), [])
+        check_keys(new_keys, "prepare_store")  # the only keys this call adds
+        self._stores += 1
 
         free_ids = self._free_ids
         shortfall = len(new_keys) - (len(free_ids) + self._num_blocks - self._num_allocated)
@@ -316,10 +373,14 @@ class CPUOffloadingManager(OffloadingManager):
 
         Keys that are unknown or already ready are ignored, as in the seed.
         """
+        keys = key_sequence(keys, "complete_store")
         writing = self._writing
-        if not writing:
-            return
-        done = list(filter(writing.__contains__, _as_sequence(keys)))
+        try:
+            done = list(filter(writing.__contains__, keys))
+        except TypeError:
+            done = []
+        if len(done) != len(keys):  # keys not being written: ignored, but checked
+            check_keys(keys, "complete_store")
         if not done:
             return
         before = len(writing)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from aiokvo._util import check_int
 from aiokvo.errors import ConfigError
-from aiokvo.keys import OffloadKey
+from aiokvo.keys import OffloadKey, check_keys, key_sequence
 from aiokvo.manager.base import OffloadingManager
 from aiokvo.manager.sink import OverflowPolicy
 from aiokvo.manager.stats import ManagerStatistics
@@ -62,14 +62,15 @@ class FilterReusedOffloadingManager(OffloadingManager):
                 counts[key] = 1
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        found = self.backing.lookup(key, req_context)  # checks the key before it is counted
         self._count((key,))
-        return self.backing.lookup(key, req_context)
+        return found
 
     def lookup_prefix(
         self, keys: Iterable[OffloadKey], req_context: ReqContext
     ) -> int | None:
         """As the lookup loop: counts every key it would look up, stopper included."""
-        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
+        keys = key_sequence(keys, "lookup_prefix")
         hits = self.backing.lookup_prefix(keys, req_context)
         if hits is None:
             # The loop stopped at the first key that is not ready (and is
@@ -87,9 +88,15 @@ class FilterReusedOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
+        keys = key_sequence(keys, "prepare_store")
         threshold = self.store_threshold
         get = self.counts.get
-        eligible = [key for key in keys if get(key, 0) >= threshold]
+        try:
+            eligible = [key for key in keys if get(key, 0) >= threshold]
+        except TypeError:  # unhashable
+            eligible = []
+        if len(eligible) != len(keys):  # counted keys were checked by their lookup
+            check_keys(keys, "prepare_store")
         self._filtered += len(keys) - len(eligible)
         return self.backing.prepare_store(eligible, req_context)
 
