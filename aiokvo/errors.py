@@ -29,6 +29,7 @@ __all__ = [
     "SharedRegionLayoutError",
     "SharedRegionTimeoutError",
     "SpecLoadError",
+    "StaleReservationError",
     "SubscriptionClosed",
     "TransferError",
     "TransferSpecError",
@@ -66,6 +67,15 @@ class InvalidKeyError(AiokvoError, ValueError):
     A key is ``bytes``: a block hash of at least one byte, then a 4-byte group
     index. A bare key where a list is expected is refused too: iterating it
     would yield ints.
+    """
+
+
+class StaleReservationError(AiokvoError, RuntimeError):
+    """A store reservation that this manager no longer holds open was completed.
+
+    Raised for a reservation completed a second time, or made by another
+    manager. Nothing changes: in particular a newer reservation of the same
+    keys (after a failed store was prepared again) is left alone.
     """
 
 

@@ -8,7 +8,7 @@ into copies. Everything here is plain data: no I/O, no asyncio, no CUDA.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -28,6 +28,7 @@ __all__ = [
     "OffloadingEvent",
     "PrepareStoreOutput",
     "ReqContext",
+    "StoreReservation",
     "TransferResult",
     "TransferSpec",
     "TransferType",
@@ -195,13 +196,64 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
         )
 
 
+class StoreReservation:
+    """The identity of one ``prepare_store``: the keys it reserved, and who may complete them.
+
+    ``manager.complete_store(out.reservation, success)`` completes exactly
+    the keys this reservation still holds: never keys another store
+    reserved, even after this store's keys failed and were prepared again.
+    A reservation completes once; the manager that made it raises
+    :class:`~aiokvo.errors.StaleReservationError` for a second completion
+    (docs/manager.md, "Reservations").
+
+    It iterates as its keys, so a manager that does not know reservations
+    completes it as the plain key list it is.
+    """
+
+    __slots__ = ("_held", "_holder", "keys")
+
+    def __init__(self, keys: Sequence[OffloadKey], holder: object = None) -> None:
+        self.keys: tuple[OffloadKey, ...] = tuple(keys)
+        # Manager bookkeeping: its token while open (None once completed, or
+        # never held), and how many of ``keys`` it still holds.
+        self._holder = holder
+        self._held = len(self.keys)
+
+    @property
+    def open(self) -> bool:
+        """True until the manager that made it has completed it."""
+        return self._holder is not None
+
+    def __iter__(self) -> Iterator[OffloadKey]:
+        return iter(self.keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys
+
+    def __repr__(self) -> str:
+        state = "open" if self._holder is not None else "completed"
+        return f"<StoreReservation {state}, {len(self.keys)} keys>"
+
+
 @dataclass(slots=True)
 class PrepareStoreOutput:
-    """What ``prepare_store`` decided: what to write, where, and what it evicted."""
+    """What ``prepare_store`` decided: what to write, where, what it evicted.
+
+    ``reservation`` identifies this store's keys for ``complete_store``; a
+    manager that makes none gets a key-list one (it is not open anywhere).
+    """
 
     keys_to_store: list[OffloadKey]
     store_spec: LoadStoreSpec
     evicted_keys: list[OffloadKey]
+    reservation: StoreReservation = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.reservation is None:
+            self.reservation = StoreReservation(self.keys_to_store)  # type: ignore[unreachable]
 
 
 @dataclass(slots=True, frozen=True)

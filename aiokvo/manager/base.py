@@ -88,7 +88,11 @@ class OffloadingManager(ABC):
         """
 
     def complete_store(self, keys: Collection[OffloadKey], success: bool = True) -> None:
-        """Mark stored keys readable, or release them if the copy failed."""
+        """Mark stored keys readable, or release them if the copy failed.
+
+        ``keys`` is a :class:`PrepareStoreOutput`'s ``reservation`` (which
+        iterates as its keys) or a list of keys.
+        """
         return
 
     def take_events(self) -> Iterable[OffloadingEvent]:

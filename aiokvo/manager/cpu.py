@@ -3,7 +3,8 @@
 State is split so that the common case costs no per-block Python objects:
 
 * the policy maps key -> block id (one ``OrderedDict`` entry and one int);
-* ``_writing`` is the set of keys whose store is in flight (ref_cnt -1);
+* ``_writing`` maps each key whose store is in flight (ref_cnt -1) to the
+  :class:`~aiokvo.specs.StoreReservation` that reserved it;
 * ``_pinned`` is the set of keys with a pending load (ref_cnt > 0), and
   ``_extra_pins`` counts the loads beyond the first (ref_cnt - 1 when >= 2);
 * a key in none of them is ready and idle (ref_cnt 0).
@@ -16,20 +17,28 @@ Decisions are exactly the seed's; see docs/manager.md.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Collection, Container, Iterable, Sequence
-from itertools import filterfalse, islice
+from itertools import compress, filterfalse, islice, repeat
+from operator import is_
 
 import numpy as np
 
 from aiokvo._util import check_int
-from aiokvo.errors import BlockNotReadyError, UnknownKeyError
+from aiokvo.errors import BlockNotReadyError, StaleReservationError, UnknownKeyError
 from aiokvo.keys import GROUP_IDX_BYTES, OffloadKey, check_keys, describe_key, key_sequence
 from aiokvo.manager.base import OffloadingManager
 from aiokvo.manager.policies.base import WRITING, BlockStatus, CachePolicy
 from aiokvo.manager.policies.registry import resolve_policy
 from aiokvo.manager.sink import EventSink
 from aiokvo.manager.stats import ManagerStatistics
-from aiokvo.specs import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput, ReqContext
+from aiokvo.specs import (
+    CPULoadStoreSpec,
+    OffloadingEvent,
+    PrepareStoreOutput,
+    ReqContext,
+    StoreReservation,
+)
 
 __all__ = ["CPUOffloadingManager"]
 
@@ -78,10 +87,12 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy: CachePolicy = resolve_policy(cache_policy)(num_blocks)
         # ``lookup`` probes these inline: no Python-level call per key.
         self._table_a, self._table_b = self._policy.membership_tables()
-        self._writing: set[OffloadKey] = set()
+        self._writing: dict[OffloadKey, StoreReservation] = {}
+        self._writing_keys = self._writing.keys()  # a live view, for isdisjoint
         self._pinned: set[OffloadKey] = set()
         self._extra_pins: dict[OffloadKey, int] = {}
         self._sink = EventSink(record=enable_events)
+        self._token = object()  # what this manager's open reservations hold
         # Counters for statistics(): plain int adds, one or two per call.
         self._lookups = 0
         self._lookup_hits = 0
@@ -192,8 +203,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._lookups += 1
         # Every key of the cached prefix is ready unless one is being written;
         # then the loop form would have stopped there and answered None.
-        writing = self._writing
-        if writing and not writing.isdisjoint(islice(keys, hits)):
+        if self._writing and not self._writing_keys.isdisjoint(islice(keys, hits)):
             self._lookup_in_flight += 1
             return None
         self._lookup_hits += hits
@@ -211,8 +221,7 @@ class CPUOffloadingManager(OffloadingManager):
             block_ids = self._policy.block_ids(keys)
         except (KeyError, TypeError):
             raise self._load_error(keys) from None
-        writing = self._writing
-        if writing and not writing.isdisjoint(keys):
+        if self._writing and not self._writing_keys.isdisjoint(keys):
             raise self._load_error(keys)
         self._loads += 1
         self._blocks_pinned += len(keys)
@@ -323,7 +332,7 @@ class CPUOffloadingManager(OffloadingManager):
         new_keys = self._policy.uncached(named)
         if not new_keys:
             self._stores += 1
-            return PrepareStoreOutput([], _cpu_spec([]), [])
+            return PrepareStoreOutput([], _cpu_spec([]), [], StoreReservation((), self._token))
         check_keys(new_keys, "prepare_store")  # the only keys this call adds
         self._stores += 1
 
@@ -349,9 +358,12 @@ class CPUOffloadingManager(OffloadingManager):
 
         block_ids = self._allocate(len(new_keys))
         self._policy.insert(new_keys, block_ids)
-        self._writing.update(new_keys)
+        reservation = StoreReservation(new_keys, self._token)
+        writing = self._writing
+        for key in new_keys:
+            writing[key] = reservation
         self._blocks_reserved += len(new_keys)
-        return PrepareStoreOutput(new_keys, _cpu_spec(block_ids), evicted_keys)
+        return PrepareStoreOutput(new_keys, _cpu_spec(block_ids), evicted_keys, reservation)
 
     def _allocate(self, count: int) -> list[int]:
         fresh = min(count, self._num_blocks - self._num_allocated)
@@ -371,8 +383,16 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_store(self, keys: Collection[OffloadKey], success: bool = True) -> None:
         """Make written blocks readable, or release them when the copy failed.
 
-        Keys that are unknown or already ready are ignored, as in the seed.
+        ``keys`` is either the ``reservation`` of a :class:`PrepareStoreOutput`,
+        which completes exactly the keys it still holds (and raises
+        :class:`~aiokvo.errors.StaleReservationError`, changing nothing, when
+        it was already completed or is not this manager's), or a list of keys
+        (the seed's contract: keys that are unknown or already ready are
+        ignored, and any key being written is completed, whoever reserved it).
         """
+        if type(keys) is StoreReservation:
+            self._complete_reservation(keys, success)
+            return
         keys = key_sequence(keys, "complete_store")
         writing = self._writing
         try:
@@ -383,14 +403,50 @@ class CPUOffloadingManager(OffloadingManager):
             check_keys(keys, "complete_store")
         if not done:
             return
-        before = len(writing)
-        writing.difference_update(done)
-        if before - len(writing) != len(done):
+        # Each key leaves the reservation that holds it (a key listed twice pops None).
+        owners = list(map(writing.pop, done, repeat(None)))
+        first = owners[0]
+        assert first is not None, "the first key of done is being written"
+        if owners.count(first) == len(owners):  # the usual case: one reservation
+            first._held -= len(owners)
+        else:
+            for owner in owners:
+                if owner is not None:
+                    owner._held -= 1
             done = list(dict.fromkeys(done))
+        self._finish_store(done, success)
+
+    def _complete_reservation(self, reservation: StoreReservation, success: bool) -> None:
+        if reservation._holder is not self._token:
+            state = "was already completed" if reservation._holder is None else (
+                "belongs to another manager")
+            raise StaleReservationError(
+                f"cannot complete {reservation!r}: it {state}; nothing was changed"
+            )
+        reservation._holder = None
+        held, owned = reservation._held, reservation.keys
+        if held == len(owned):  # the usual case: nobody completed any of them by key
+            if not held:
+                return
+            deque(map(self._writing.pop, owned), maxlen=0)
+            done: Sequence[OffloadKey] = owned
+        elif held:
+            # Only the keys this very reservation still holds: a key completed
+            # by a key list and reserved again since belongs to someone else.
+            writing = self._writing
+            done = list(compress(owned, map(is_, map(writing.get, owned), repeat(reservation))))
+            deque(map(writing.pop, done), maxlen=0)
+        else:
+            return
+        reservation._held = 0
+        self._finish_store(done, success)
+
+    def _finish_store(self, done: Sequence[OffloadKey], success: bool) -> None:
         if success:
             self._blocks_stored += len(done)
             if self._sink.active:
-                self._sink.publish(OffloadingEvent(done, self.medium, False))
+                keys = done if type(done) is list else list(done)
+                self._sink.publish(OffloadingEvent(keys, self.medium, False))
         else:
             self._blocks_store_failed += len(done)
             freed_ids = self._policy.block_ids(done)

@@ -60,7 +60,7 @@ def build(kind: str) -> tuple[OffloadingManager, CPUOffloadingManager]:
             manager.lookup(k, CTX)
     out = manager.prepare_store(KEYS[:4], CTX)
     assert out is not None and len(out.keys_to_store) == 4
-    manager.complete_store(out.keys_to_store)
+    manager.complete_store(out.reservation)
     manager.touch(KEYS[2:4])
     manager.prepare_load([KEYS[1]], CTX)
     assert manager.prepare_store([KEYS[4]], CTX) is not None
@@ -140,7 +140,7 @@ def test_a_bytes_subclass_is_a_key() -> None:
     subclassed = Key(KEYS[0])
     out = m.prepare_store([subclassed], CTX)
     assert out is not None and out.keys_to_store == [KEYS[0]]
-    m.complete_store(out.keys_to_store)
+    m.complete_store(out.reservation)
     assert m.lookup(KEYS[0], CTX) is True
 
 
