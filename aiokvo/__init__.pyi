@@ -24,6 +24,7 @@ from aiokvo.layout import CanonicalKVCacheRef as CanonicalKVCacheRef
 from aiokvo.layout import CanonicalKVCaches as CanonicalKVCaches
 from aiokvo.layout import CanonicalKVCacheTensor as CanonicalKVCacheTensor
 from aiokvo.manager.base import OffloadingManager as OffloadingManager
+from aiokvo.manager.base import StoreRefusal as StoreRefusal
 from aiokvo.manager.cpu import CPUOffloadingManager as CPUOffloadingManager
 from aiokvo.manager.policies import ARCCachePolicy as ARCCachePolicy
 from aiokvo.manager.policies import BlockStatus as BlockStatus
@@ -51,6 +52,7 @@ from aiokvo.specs import LoadStoreSpec as LoadStoreSpec
 from aiokvo.specs import OffloadingEvent as OffloadingEvent
 from aiokvo.specs import PrepareStoreOutput as PrepareStoreOutput
 from aiokvo.specs import ReqContext as ReqContext
+from aiokvo.specs import StoreReservation as StoreReservation
 from aiokvo.specs import TransferResult as TransferResult
 from aiokvo.specs import TransferSpec as TransferSpec
 from aiokvo.specs import TransferType as TransferType

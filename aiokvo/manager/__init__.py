@@ -1,6 +1,6 @@
 """The pure core: offloading managers and their cache policies (no asyncio, no CUDA)."""
 
-from aiokvo.manager.base import OffloadingManager
+from aiokvo.manager.base import OffloadingManager, StoreRefusal
 from aiokvo.manager.cpu import CPUOffloadingManager
 from aiokvo.manager.policies import (
     ARCCachePolicy,
@@ -24,5 +24,6 @@ __all__ = [
     "ManagerStatistics",
     "OffloadingManager",
     "OverflowPolicy",
+    "StoreRefusal",
     "resolve_policy",
 ]

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from aiokvo.errors import CapacityError
 from aiokvo.keys import OffloadKey, key_sequence
+from aiokvo.manager.policies.base import BlockStatus
 from aiokvo.manager.sink import EventSink, OverflowPolicy
 from aiokvo.manager.stats import ManagerStatistics
 from aiokvo.specs import LoadStoreSpec, OffloadingEvent, PrepareStoreOutput, ReqContext
@@ -25,7 +28,45 @@ from aiokvo.specs import LoadStoreSpec, OffloadingEvent, PrepareStoreOutput, Req
 if TYPE_CHECKING:
     from aiokvo.events import EventSubscription
 
-__all__ = ["OffloadingManager"]
+__all__ = ["OffloadingManager", "StoreRefusal"]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreRefusal:
+    """Why ``prepare_store`` returned None: ``needed`` new blocks, ``free`` of
+    ``num_blocks`` free, and not enough of the rest could be evicted.
+
+    ``never_fits`` tells the two cases apart: a request for more blocks than
+    the pool has can never be stored (:meth:`error` is the
+    :class:`~aiokvo.errors.CapacityError` to raise for it); otherwise the
+    blocks in the way are being read, being written or named by the call,
+    and the same request may fit later.
+    """
+
+    needed: int
+    free: int
+    num_blocks: int
+
+    @property
+    def never_fits(self) -> bool:
+        """True when even an empty pool could not hold the request."""
+        return self.needed > self.num_blocks
+
+    def error(self) -> CapacityError:
+        """A :class:`CapacityError` that says this."""
+        return CapacityError(str(self))
+
+    def __str__(self) -> str:
+        if self.never_fits:
+            return (
+                f"a store of {self.needed} new blocks can never fit a pool of "
+                f"{self.num_blocks} blocks"
+            )
+        return (
+            f"a store of {self.needed} new blocks found {self.free} free of "
+            f"{self.num_blocks}, and could not evict the other {self.needed - self.free}: "
+            f"the blocks in the way are being read, written or named by the call"
+        )
 
 
 class OffloadingManager(ABC):
@@ -36,6 +77,30 @@ class OffloadingManager(ABC):
     """
 
     _sink: EventSink
+
+    # -- introspection (the built-in managers answer all of these) -------------
+
+    @property
+    def num_blocks(self) -> int:
+        """Size of the pool, in blocks."""
+        raise NotImplementedError(f"{type(self).__name__} does not report num_blocks")
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out without evicting anything."""
+        raise NotImplementedError(f"{type(self).__name__} does not report num_free_blocks")
+
+    def block_status(self, key: OffloadKey) -> BlockStatus | None:
+        """A snapshot of ``key``'s block, or None when it is not offloaded."""
+        raise NotImplementedError(f"{type(self).__name__} does not report block_status")
+
+    @property
+    def store_refusal(self) -> StoreRefusal | None:
+        """Why the latest :meth:`prepare_store` returned None; None after one
+        that returned an output (and for managers that do not say)."""
+        return None
+
+    # -- the seed's contract -----------------------------------------------------
 
     @abstractmethod
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
@@ -84,7 +149,8 @@ class OffloadingManager(ABC):
     ) -> PrepareStoreOutput | None:
         """Reserve space for the keys not yet held, evicting if needed.
 
-        Returns None, changing nothing, when room cannot be made.
+        Returns None, changing nothing, when room cannot be made
+        (:attr:`store_refusal` says why).
         """
 
     def complete_store(self, keys: Collection[OffloadKey], success: bool = True) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 from aiokvo._util import check_int
 from aiokvo.errors import BlockNotReadyError, StaleReservationError, UnknownKeyError
 from aiokvo.keys import GROUP_IDX_BYTES, OffloadKey, check_keys, describe_key, key_sequence
-from aiokvo.manager.base import OffloadingManager
+from aiokvo.manager.base import OffloadingManager, StoreRefusal
 from aiokvo.manager.policies.base import WRITING, BlockStatus, CachePolicy
 from aiokvo.manager.policies.registry import resolve_policy
 from aiokvo.manager.sink import EventSink
@@ -106,6 +106,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._blocks_stored = 0
         self._blocks_store_failed = 0
         self._blocks_evicted = 0
+        self._refusal: StoreRefusal | None = None
 
     # -- introspection ---------------------------------------------------------
 
@@ -158,6 +159,10 @@ class CPUOffloadingManager(OffloadingManager):
         if key in self._pinned:
             return BlockStatus(block_id, 1 + self._extra_pins.get(key, 0))
         return BlockStatus(block_id, 0)
+
+    @property
+    def store_refusal(self) -> StoreRefusal | None:
+        return self._refusal
 
     def _get(self, key: OffloadKey, what: str) -> int | None:
         try:
@@ -332,12 +337,15 @@ class CPUOffloadingManager(OffloadingManager):
         new_keys = self._policy.uncached(named)
         if not new_keys:
             self._stores += 1
+            self._refusal = None
             return PrepareStoreOutput([], _cpu_spec([]), [], StoreReservation((), self._token))
         check_keys(new_keys, "prepare_store")  # the only keys this call adds
         self._stores += 1
+        self._refusal = None
 
         free_ids = self._free_ids
-        shortfall = len(new_keys) - (len(free_ids) + self._num_blocks - self._num_allocated)
+        free = len(free_ids) + self._num_blocks - self._num_allocated
+        shortfall = len(new_keys) - free
         evicted_keys: list[OffloadKey] = []
         if shortfall > 0:
             # Everything named by this call is protected, present or not.
@@ -349,6 +357,7 @@ class CPUOffloadingManager(OffloadingManager):
             evicted = self._policy.evict(shortfall, exclude)
             if evicted is None:
                 self._stores_refused += 1
+                self._refusal = StoreRefusal(len(new_keys), free, self._num_blocks)
                 return None
             evicted_keys, freed_ids = evicted
             free_ids += freed_ids

@@ -5,19 +5,25 @@ space and DMA bandwidth and is unlikely to be read back. This wrapper
 counts how often each key is looked up and lets ``prepare_store`` through
 only for keys seen at least ``store_threshold`` times. The counter is
 bounded; when full, the key looked up least recently is forgotten.
+
+It answers the same questions as the manager it wraps (``num_blocks``,
+``num_free_blocks``, ``block_status``, ``len()``, ``store_refusal``) by
+asking it, so code written against a ``CPUOffloadingManager`` keeps working
+when ``store_threshold`` turns the filter on.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sized
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from aiokvo._util import check_int
 from aiokvo.errors import ConfigError
 from aiokvo.keys import OffloadKey, check_keys, key_sequence
-from aiokvo.manager.base import OffloadingManager
+from aiokvo.manager.base import OffloadingManager, StoreRefusal
+from aiokvo.manager.policies.base import BlockStatus
 from aiokvo.manager.sink import OverflowPolicy
 from aiokvo.manager.stats import ManagerStatistics
 from aiokvo.specs import LoadStoreSpec, OffloadingEvent, PrepareStoreOutput, ReqContext
@@ -47,6 +53,28 @@ class FilterReusedOffloadingManager(OffloadingManager):
         self.counts: OrderedDict[OffloadKey, int] = OrderedDict()
         self._sink = backing._sink
         self._filtered = 0
+
+    # -- what the backing manager answers -----------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.backing.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.backing.num_free_blocks
+
+    def block_status(self, key: OffloadKey) -> BlockStatus | None:
+        return self.backing.block_status(key)
+
+    @property
+    def store_refusal(self) -> StoreRefusal | None:
+        return self.backing.store_refusal
+
+    def __len__(self) -> int:
+        return len(cast(Sized, self.backing))
+
+    # -- the filter ------------------------------------------------------------------
 
     def _count(self, keys: Iterable[OffloadKey]) -> None:
         counts = self.counts
