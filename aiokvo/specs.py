@@ -167,16 +167,12 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
         block_indices: Sequence[int],
     ) -> None:
         super().__init__(block_ids)
-        sizes = tuple(int(s) for s in group_sizes)
-        indices = tuple(int(i) for i in block_indices)
+        sizes = _int_tuple("group_sizes", group_sizes)
+        indices = _int_tuple("block_indices", block_indices)
         if len(indices) != len(sizes):
             raise InvalidSpecError(
                 f"block_indices has {len(indices)} entries but group_sizes has {len(sizes)}"
             )
-        for name, values in (("group_sizes", sizes), ("block_indices", indices)):
-            negative = [v for v in values if v < 0]
-            if negative:
-                raise InvalidSpecError(f"{name} must be >= 0, got {negative[0]} in {values!r}")
         if sum(sizes) != len(self):
             raise InvalidSpecError(
                 f"group_sizes {sizes!r} add up to {sum(sizes)}, "
@@ -236,6 +232,18 @@ class StoreReservation:
     def __repr__(self) -> str:
         state = "open" if self._holder is not None else "completed"
         return f"<StoreReservation {state}, {len(self.keys)} keys>"
+
+
+def _int_tuple(name: str, values: Sequence[int]) -> tuple[int, ...]:
+    """``values`` as a tuple of ints >= 0; ``int()`` would turn 2.9, "2" and True into ints."""
+    try:
+        items = tuple(values)
+    except TypeError:
+        raise InvalidSpecError(f"{name} must be a sequence of ints, got {values!r}") from None
+    return tuple(
+        check_int(f"{name}[{i}]", v, minimum=0, error=InvalidSpecError)
+        for i, v in enumerate(items)
+    )
 
 
 @dataclass(slots=True)
