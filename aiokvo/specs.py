@@ -113,7 +113,10 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
     """A spec that is a flat list of block ids, kept as an int64 array.
 
     The array form lets handlers compute copy addresses with vectorised
-    numpy instead of Python loops.
+    numpy instead of Python loops. The spec owns a read-only copy of the
+    ids: a handler validates them when the transfer is submitted and copies
+    later, so a caller's array changed in between must not redirect the copy
+    to blocks nobody checked.
     """
 
     __slots__ = ("block_ids",)
@@ -126,9 +129,11 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
             raise InvalidSpecError(f"block_ids must be one-dimensional, got shape {ids.shape}")
         if not np.issubdtype(ids.dtype, np.integer):
             raise InvalidSpecError(f"block_ids must be integers, got dtype {ids.dtype}")
-        ids = ids.astype(np.int64, copy=False)
+        owned = ids is not block_ids and ids.base is None  # made here from a list
+        ids = ids.astype(np.int64, copy=not owned)  # a copy unless made here
         if ids.size and int(ids.min()) < 0:
             raise InvalidSpecError(f"block_ids must be >= 0, got {int(ids.min())}")
+        ids.setflags(write=False)
         self.block_ids: npt.NDArray[np.int64] = ids
 
     def __len__(self) -> int:

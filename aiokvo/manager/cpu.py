@@ -51,11 +51,16 @@ def _cpu_spec(block_ids: list[int]) -> CPULoadStoreSpec:
     """A ``CPULoadStoreSpec`` for ids this manager allocated.
 
     Skips the constructor's validation (a third of a request's cost): the
-    ids are non-negative ints by construction. The shared empty array is
-    read-only, so handing it to every empty spec is safe.
+    ids are non-negative ints by construction. Like a validated spec's, the
+    array is read-only; the shared empty one can serve every empty spec.
     """
     spec = CPULoadStoreSpec.__new__(CPULoadStoreSpec)
-    spec.block_ids = np.array(block_ids, dtype=np.int64) if block_ids else _NO_IDS
+    if block_ids:
+        ids = np.array(block_ids, dtype=np.int64)
+        ids.setflags(write=False)  # cheaper than ``ids.flags.writeable = False``
+        spec.block_ids = ids
+    else:
+        spec.block_ids = _NO_IDS
     return spec
 
 
