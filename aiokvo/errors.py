@@ -18,6 +18,7 @@ __all__ = [
     "DuplicateJobError",
     "DuplicateRouteError",
     "HandlerClosedError",
+    "HandlerOwnedError",
     "InvalidKeyError",
     "InvalidSpecError",
     "LeaseError",
@@ -145,6 +146,14 @@ class LayoutError(ConfigError):
 
 class DuplicateRouteError(ConfigError):
     """A ``(src_medium, dst_medium)`` route was registered with a worker twice."""
+
+
+class HandlerOwnedError(ConfigError):
+    """A handler already registered with one worker was registered with another.
+
+    A registered handler reports its results to its worker's stream, so a
+    second worker would silently take them away from the first.
+    """
 
 
 class HandlerClosedError(TransferSpecError):

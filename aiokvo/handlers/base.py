@@ -18,7 +18,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aiokvo._util import AsyncResource, check_int
-from aiokvo.errors import DuplicateJobError, HandlerClosedError, TransferSpecError
+from aiokvo.errors import (
+    DuplicateJobError,
+    HandlerClosedError,
+    HandlerOwnedError,
+    TransferSpecError,
+)
 from aiokvo.handlers.stats import HandlerStatistics
 from aiokvo.handlers.task import DEFAULT_MAX_BUFFERED, FinishedResults, ResultQueue, TransferTask
 from aiokvo.runtime.poller import EventPoller, PollerMode, resolve_poller_mode
@@ -53,6 +58,7 @@ class OffloadingHandler(FinishedResults, AsyncResource, ABC):
     def __init__(self, *, max_buffered: int = DEFAULT_MAX_BUFFERED) -> None:
         self._results = ResultQueue(max_buffered)
         self._sink = self._results  # where _report puts results (a worker may redirect it)
+        self._owner: object | None = None  # the worker it reports to, once registered
 
     @abstractmethod
     def transfer_async(self, job_id: int, spec: TransferSpec) -> TransferTask:
@@ -91,15 +97,26 @@ class OffloadingHandler(FinishedResults, AsyncResource, ABC):
         """Publish one finished result to :meth:`get_finished` (or the worker's stream)."""
         self._sink.put(result)
 
-    def _share_results(self, queue: ResultQueue) -> None:
-        """Send results to ``queue`` from now on (a worker merging handlers).
+    def _share_results(self, queue: ResultQueue, owner: object) -> None:
+        """Send results to ``queue``, ``owner``'s stream, from now on (a worker
+        merging handlers); a second call from the same owner does nothing.
 
         Results already buffered move along, so none is reported twice or lost;
-        this handler's own stream stays empty from then on.
+        this handler's own stream stays empty from then on. Raises
+        :class:`~aiokvo.errors.HandlerOwnedError` if another owner has it:
+        moving its results would take them away from that worker's readers.
         """
+        if self._owner is not None:
+            if self._owner is owner:
+                return
+            raise HandlerOwnedError(
+                f"{self!r} is already registered with {self._owner!r}, which reads its "
+                f"results; register it with one worker only"
+            )
         for result in self._results.take_all():
             queue.put(result)
         self._sink = queue
+        self._owner = owner
 
 
 @dataclass(slots=True)

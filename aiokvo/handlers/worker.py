@@ -58,7 +58,13 @@ class OffloadingWorker(FinishedResults, AsyncResource):
         dst_cls: type[LoadStoreSpec],
         handler: OffloadingHandler,
     ) -> None:
-        """Send transfers from ``src_cls``'s medium to ``dst_cls``'s to ``handler``."""
+        """Send transfers from ``src_cls``'s medium to ``dst_cls``'s to ``handler``.
+
+        A handler belongs to one worker: registering it with a second raises
+        :class:`~aiokvo.errors.HandlerOwnedError` (its results would silently
+        move there), as a second handler for one route raises
+        :class:`~aiokvo.errors.DuplicateRouteError`. Nothing changes either way.
+        """
         if self._closing:
             raise HandlerClosedError("the worker is closed; no handler can be registered")
         if not isinstance(handler, OffloadingHandler):
@@ -69,10 +75,10 @@ class OffloadingWorker(FinishedResults, AsyncResource):
             raise DuplicateRouteError(
                 f"route {_route_name(route)} is already handled by {existing!r}"
             )
+        handler._share_results(self._results, self)  # raises if another worker has it
         self._routes[route] = handler
         if all(h is not handler for h in self._handlers):
             self._handlers.append(handler)
-            handler._share_results(self._results)
 
     @property
     def routes(self) -> dict[TransferType, OffloadingHandler]:

@@ -11,6 +11,7 @@ from aiokvo.errors import (
     DuplicateJobError,
     DuplicateRouteError,
     HandlerClosedError,
+    HandlerOwnedError,
     TransferSpecError,
     UnknownRouteError,
 )
@@ -208,3 +209,19 @@ async def test_results_buffered_before_registration_move_to_the_worker() -> None
         await late
         assert handler.get_finished_nowait() == []
         assert [r.job_id for r in worker.get_finished_nowait()] == [1, 2]
+
+
+async def test_a_handler_registered_with_another_worker_is_refused() -> None:
+    first, second = OffloadingWorker(), OffloadingWorker()
+    handler = RecordingHandler("GPU", "CPU")
+    first.register_handler(GPULoadStoreSpec, CPULoadStoreSpec, handler)
+    with pytest.raises(HandlerOwnedError, match="already registered with"):
+        second.register_handler(GPULoadStoreSpec, CPULoadStoreSpec, handler)
+    assert second.routes == {}  # nothing changed on the refusing side
+    async with first, second:
+        task = first.transfer_async(1, STORE)
+        handler.sources[1].set()
+        await task
+        # The result still reaches the first worker's readers.
+        assert [r.job_id for r in first.get_finished_nowait()] == [1]
+        assert second.get_finished_nowait() == []
