@@ -84,9 +84,15 @@ class EventSubscription(AsyncResource):
 
     Consecutive drops at the same place merge into one ``Lagged``. Markers do
     not count against ``maxsize``. ``dropped`` counts every dropped event.
+
+    The manager holds it weakly: one that nobody references any more (its
+    reader returned from ``async for`` without closing it) detaches itself
+    when it is collected, so an abandoned subscription costs the manager
+    nothing.
     """
 
     __slots__ = (
+        "__weakref__",  # the manager's sink holds subscriptions weakly
         "_buffer",
         "_closed",
         "_dropped",

@@ -503,3 +503,77 @@ def test_statistics_snapshot_queue_drops_and_closing() -> None:
     sub.close()
     assert sub.statistics().queued == 0 and sub.statistics().closed
     assert stats.queued == 2  # a snapshot does not change afterwards
+
+
+# -- abandoned subscriptions -----------------------------------------------------
+
+
+async def test_a_subscription_dropped_without_close_detaches() -> None:
+    import gc
+    import weakref
+
+    manager = TinyManager()
+
+    async def first_event() -> OffloadingEvent | None:
+        sub = manager.subscribe()
+        manager.store(1)
+        async for item in sub:  # returns without closing the subscription
+            assert isinstance(item, OffloadingEvent)
+            return item
+        return None
+
+    for _ in range(300):
+        assert await first_event() == stored(1)
+    gc.collect()  # CPython frees them at once; other interpreters need a collection
+    assert len(manager._sink) == 0 and not manager._sink.active
+    kept = manager.subscribe()
+    dropped = weakref.ref(manager.subscribe())
+    gc.collect()
+    assert dropped() is None
+    assert len(manager._sink) == 1  # only the one still referenced
+    manager.store(2)
+    assert kept.drain_nowait() == [stored(2)]
+
+
+async def test_a_reader_keeps_an_otherwise_unreferenced_subscription_alive() -> None:
+    import gc
+
+    manager = TinyManager()
+
+    async def read_two() -> list[SubscriptionItem]:
+        sub = manager.subscribe()
+        return [await sub.receive(), await sub.receive()]
+
+    reader = asyncio.create_task(read_two())
+    await asyncio.sleep(0)
+    gc.collect()
+    assert len(manager._sink) == 1
+    manager.store(1)
+    manager.store(2)
+    assert await asyncio.wait_for(reader, 5) == [stored(1), stored(2)]
+    gc.collect()
+    assert len(manager._sink) == 0
+
+
+def test_the_sink_holds_any_subscriber_weakly() -> None:
+    import gc
+
+    sink = EventSink(record=False)
+
+    class Counter:
+        def __init__(self) -> None:
+            self.seen = 0
+
+        def push(self, event: OffloadingEvent) -> None:
+            self.seen += 1
+
+        def close(self) -> None:
+            pass
+
+    kept = Counter()
+    sink.attach(kept)
+    sink.attach(Counter())  # nobody keeps this one
+    gc.collect()
+    assert len(sink) == 1
+    sink.publish(stored(1))
+    assert kept.seen == 1
