@@ -70,12 +70,13 @@ class LaneWaiter:
         self._cond = threading.Condition(threading.Lock())
         self._queue: deque[Entry] = deque()
         self._alive = False
-        self._closed = False
+        self._closed = False  # stop now, dropping what is queued (the loop is gone)
+        self._finishing = False  # take nothing new; exit once the queue is empty
         self._name = name
 
     def push(self, entry: Entry) -> None:
         with self._cond:
-            if self._closed:
+            if self._closed or self._finishing:
                 raise PollerClosedError("the event poller is closed")
             self._queue.append(entry)
             if not self._alive:
@@ -88,6 +89,15 @@ class LaneWaiter:
     def is_empty(self) -> bool:
         """True when nothing is queued or on its way to the loop."""
         with self._cond:
+            return not self._queue
+
+    def finish(self) -> bool:
+        """Take nothing new; deliver what is queued, then let the thread exit.
+
+        Returns True when nothing was queued (the thread exits at once)."""
+        with self._cond:
+            self._finishing = True
+            self._cond.notify()
             return not self._queue
 
     def close(self) -> list[Entry]:
@@ -138,7 +148,7 @@ class LaneWaiter:
         timeout = self._poller.idle_thread_timeout
         while True:
             with self._cond:
-                if not self._queue and not self._closed:
+                if not self._queue and not self._closed and not self._finishing:
                     self._cond.wait(timeout)
                 if self._closed or not self._queue:
                     self._alive = False

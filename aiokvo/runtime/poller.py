@@ -33,6 +33,11 @@ when polled from the loop: work its Python thread has not started in time
 
 With nothing pending the poller schedules no timers and its threads sleep
 on a condition (exiting after ``idle_thread_timeout``), so it uses no CPU.
+
+Closing refuses new sources at once but keeps watching those already handed
+over, and reports each one only when it has really completed: a copy that is
+still writing must not be reported as finished (failed or not), or its caller
+would free blocks the copy is still writing to.
 """
 
 from __future__ import annotations
@@ -113,9 +118,9 @@ class PollerStatistics:
     scheduled (only while something is pending there). ``delivered``
     completions were reported to their callbacks, ``callback_errors`` of those
     callbacks raised (each went to the loop's exception handler), and
-    ``fallback_polls`` counts the safety polls that ran. ``failed_on_close``
-    callbacks were failed with :class:`~aiokvo.errors.PollerClosedError`
-    because the poller closed first.
+    ``fallback_polls`` counts the safety polls that ran. ``dropped_on_stop``
+    callbacks were never run because the loop closed (or was collected)
+    while their sources were pending; closing the poller itself drops none.
     """
 
     mode: PollerMode
@@ -129,7 +134,7 @@ class PollerStatistics:
     delivered: int = 0
     callback_errors: int = 0
     fallback_polls: int = 0
-    failed_on_close: int = 0
+    dropped_on_stop: int = 0
 
 
 def resolve_poller_mode(mode: str | None = None) -> PollerMode:
@@ -185,7 +190,8 @@ class EventPoller:
         self.spin_budget = float(spin_budget)
         self.idle_thread_timeout = float(idle_thread_timeout)
         self._loop_ref = weakref.ref(loop)
-        self._closed = False
+        self._closed = False  # refuses new sources; those already watched are still reported
+        self._stopped = False  # the loop is gone: nothing can be reported any more
         # Polled lanes (spin and adaptive), keyed by (mode, lane).
         self._lanes: dict[tuple[str, Hashable], deque[Entry]] = {}
         self._spin_lanes = 0
@@ -198,14 +204,14 @@ class EventPoller:
         self._delivered = 0
         self._callback_errors = 0
         self._fallback_polls = 0
-        self._failed_on_close = 0
+        self._dropped_on_stop = 0
         with EventPoller._registry_lock:
             existing = EventPoller._by_loop.get(loop)
             if existing is not None and not existing._closed:
                 raise ConfigError(f"loop {loop!r} already has an EventPoller")
             EventPoller._by_loop[loop] = self
-        # The registry is weak-keyed, so a collected loop closes its poller.
-        weakref.finalize(loop, self._close_threads)
+        # The registry is weak-keyed, so a collected loop stops its poller.
+        weakref.finalize(loop, self._stop)
 
     # ------------------------------------------------------------------ lookup
     @classmethod
@@ -266,7 +272,7 @@ class EventPoller:
             delivered=self._delivered,
             callback_errors=self._callback_errors,
             fallback_polls=self._fallback_polls,
-            failed_on_close=self._failed_on_close,
+            dropped_on_stop=self._dropped_on_stop,
         )
 
     # ---------------------------------------------------------------- watching
@@ -342,44 +348,30 @@ class EventPoller:
 
     # ----------------------------------------------------------------- closing
     def close(self) -> None:
-        """Stop polling and release the waiter threads; idempotent.
+        """Refuse new sources; report the ones already watched as they complete.
 
-        Callbacks still pending get :class:`PollerClosedError` when the loop
-        is still open. Safe to call from any thread once the loop is closed.
+        Idempotent and non-blocking. While the loop runs, every source already
+        handed over is still waited for and its callback still runs, with the
+        source's own outcome, once it has really completed (never earlier:
+        its caller may free the blocks a copy writes to); waiter threads exit
+        as their lanes empty. New sources raise :class:`PollerClosedError`, and
+        :meth:`for_loop` makes a fresh poller for the loop. Once the loop is
+        closed (this may then be called from any thread), nothing more is
+        reported and the threads are let go.
         """
         if self._closed:
             return
         self._closed = True
         loop = self._loop_ref()
-        if self._tick_handle is not None:
-            self._tick_handle.cancel()
-            self._tick_handle = None
-        if self._fallback_handle is not None:
-            self._fallback_handle.cancel()
-            self._fallback_handle = None
-        pending: list[Entry] = []
-        for queue in self._lanes.values():
-            pending.extend(queue)
-        self._lanes.clear()
-        self._spin_lanes = 0
-        for notified in self._notified.values():
-            pending.extend(notified.queue)
-            notified.queue.clear()
-        self._notified.clear()
-        pending.extend(self._close_threads())
         with EventPoller._registry_lock:
             if loop is not None and EventPoller._by_loop.get(loop) is self:
                 del EventPoller._by_loop[loop]
         if loop is None or loop.is_closed():
+            self._stop()
             return
-        error = PollerClosedError("the event poller closed before this completion")
-        self._failed_on_close += len(pending)
-        for _, callback in pending:
-            try:
-                callback(error)
-            except Exception as exc:
-                self._callback_errors += 1
-                _report_callback_error(loop, exc)
+        for lane, waiter in list(self._waiters.items()):
+            if waiter.finish():  # idle: its thread exits now, nothing to wait for
+                del self._waiters[lane]
 
     # --------------------------------------------------------------- internals
     def _require_loop(self) -> asyncio.AbstractEventLoop:
@@ -388,11 +380,32 @@ class EventPoller:
             raise PollerClosedError("the event poller is closed")
         return loop
 
+    def _stop(self) -> None:
+        """The loop is gone: drop everything pending and let the threads go."""
+        self._closed = self._stopped = True
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
+            self._tick_handle = None
+        if self._fallback_handle is not None:
+            self._fallback_handle.cancel()
+            self._fallback_handle = None
+        dropped = sum(len(queue) for queue in self._lanes.values())
+        self._lanes.clear()
+        self._spin_lanes = 0
+        for notified in self._notified.values():
+            dropped += len(notified.queue)
+            notified.queue.clear()
+        self._notified.clear()
+        for waiter in list(self._waiters.values()):
+            dropped += len(waiter.close())
+        self._waiters.clear()
+        self._dropped_on_stop += dropped
+
     def _fallback_poll(self) -> None:
         """Poll the heads of waiter lanes from the loop (1 ms timer while any is pending)."""
         self._fallback_handle = None
         loop = self._loop_ref()
-        if self._closed or loop is None or loop.is_closed():
+        if self._stopped or loop is None or loop.is_closed():
             return
         self._fallback_polls += 1
         pending = False
@@ -409,18 +422,10 @@ class EventPoller:
             waiter = self._waiters[lane] = LaneWaiter(self, f"aiokvo-waiter-{lane!r}")
         return waiter
 
-    def _close_threads(self) -> list[Entry]:
-        pending: list[Entry] = []
-        for waiter in list(self._waiters.values()):
-            pending.extend(waiter.close())
-        self._waiters.clear()
-        self._closed = True
-        return pending
-
     def _call_threadsafe(self, function: Callable[[], None]) -> bool:
         """Schedule ``function`` on the loop from any thread; False if the loop is gone."""
         loop = self._loop_ref()
-        if loop is None or self._closed:
+        if loop is None or self._stopped:
             return False
         try:
             loop.call_soon_threadsafe(function)
@@ -447,7 +452,7 @@ class EventPoller:
     ) -> bool:
         """Hand completions to the loop from a waiter thread; False if it is gone."""
         loop = self._loop_ref()
-        if loop is None or self._closed:
+        if loop is None or self._stopped:
             return False
         try:
             loop.call_soon_threadsafe(self._run_batch, batch)
@@ -502,7 +507,7 @@ class EventPoller:
 
     def _tick(self) -> None:
         self._tick_handle = None
-        if self._closed:
+        if self._stopped:
             return
         progressed = self._poll_lanes()
         if not self._lanes or self._tick_handle is not None:

@@ -27,7 +27,8 @@ def run(main: Coroutine[Any, Any, T], *, debug: bool = False) -> T:
     """Run ``main`` to completion on uvloop (or asyncio) and return its result.
 
     Like :func:`asyncio.run`, plus: the loop's :class:`EventPoller` is closed
-    before the loop, so no waiter thread outlives it.
+    before the loop, so its waiter threads exit once the copies they wait on
+    are done (copies in flight are never reported as finished early).
     """
     if not asyncio.iscoroutine(main):
         raise TypeError(f"aiokvo.run expects a coroutine, got {main!r}")

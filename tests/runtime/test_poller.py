@@ -180,20 +180,30 @@ async def test_thread_mode_restarts_a_waiter_that_exited_while_idle() -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-async def test_close_fails_pending_callbacks_and_refuses_new_work(mode: PollerMode) -> None:
+async def test_close_refuses_new_work_and_reports_pending_sources_only_once_done(
+    mode: PollerMode,
+) -> None:
     poller = EventPoller(mode=mode)
-    source = WaitOnlyEvent()
-    future = poller.watch("lane", source)
+    ok, failing = WaitOnlyEvent(), WaitOnlyEvent()
+    first = poller.watch("lane", ok)
+    second = poller.watch("lane", failing)
     await asyncio.sleep(0.005)
     poller.close()
     poller.close()  # idempotent
     with pytest.raises(PollerClosedError):
-        await future
-    with pytest.raises(PollerClosedError):
         poller.watch("lane", WaitOnlyEvent())
-    source.set()
+    await asyncio.sleep(0.02)
+    # The copies behind the sources are still running: nothing may be reported yet.
+    assert not first.done() and not second.done()
     fresh = EventPoller.current()
     assert fresh is not poller and not fresh.closed
+    failure = RuntimeError("copy failed")
+    ok.set()
+    failing.set_exception(failure)
+    assert await asyncio.wait_for(first, 5) is None  # its own outcome, not a closed error
+    with pytest.raises(RuntimeError, match="copy failed"):
+        await asyncio.wait_for(second, 5)
+    await until(lambda: poller.active_threads == 0 and poller.pending == 0)
     fresh.close()
 
 
@@ -306,15 +316,31 @@ async def test_notifying_sources_need_no_waiter_thread_and_keep_lane_order() -> 
     assert poller.pending == 0
 
 
-async def test_close_fails_pending_notifying_sources() -> None:
+async def test_close_reports_pending_notifying_sources_once_done() -> None:
     poller = EventPoller(mode="thread")
     source = HostEvent()
     future = poller.watch("lane", source)
     poller.close()
-    with pytest.raises(PollerClosedError):
-        await future
-    source.set()  # a late wake after close is harmless
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.02)
+    assert not future.done()
+    threading.Timer(0.001, source.set).start()  # completed by another thread
+    assert await asyncio.wait_for(future, 5) is None
+
+
+def test_close_after_the_loop_closed_reports_nothing() -> None:
+    loop = asyncio.new_event_loop()
+    calls: list[BaseException | None] = []
+
+    async def watch() -> EventPoller:
+        poller = EventPoller(mode="thread")
+        poller.add_callback("lane", WaitOnlyEvent(), calls.append)
+        return poller
+
+    poller = loop.run_until_complete(watch())
+    loop.close()
+    poller.close()  # from a thread without a loop: lets the waiter go
+    assert calls == [] and poller.pending == 0
+    assert poller.statistics().dropped_on_stop == 1
 
 
 class StarvedWaiterSource:
@@ -390,5 +416,7 @@ async def test_statistics_follow_lanes_deliveries_errors_and_close(mode: PollerM
     assert (stats.pending, stats.callback_errors) == (1, 1)
     poller.close()
     stats = poller.statistics()
-    assert (stats.closed, stats.pending, stats.failed_on_close) == (True, 0, 1)
+    assert (stats.closed, stats.pending) == (True, 1)  # still watched after close
     stuck.set()
+    await until(lambda: poller.statistics().delivered == 3)
+    assert (poller.statistics().pending, poller.statistics().dropped_on_stop) == (0, 0)
