@@ -179,6 +179,8 @@ class SingleDirectionHandler(OffloadingHandler):
         self.poller_mode: PollerMode | None = (
             None if poller_mode is None else resolve_poller_mode(poller_mode)
         )
+        if poller_mode is None:
+            resolve_poller_mode()  # a bad $AIOKVO_POLLER_MODE fails here, not per transfer
         self._live: dict[int, _InFlight] = {}
         self._good_routes: set[tuple[type, type]] = set()
         self._order: deque[_InFlight] = deque()

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from aiokvo._util import AsyncResource
 from aiokvo.errors import (
+    ConfigError,
     DuplicateJobError,
     DuplicateRouteError,
     HandlerClosedError,
@@ -99,8 +100,10 @@ class OffloadingWorker(FinishedResults, AsyncResource):
     def transfer_async(self, job_id: int, spec: TransferSpec) -> TransferTask:
         """Route and enqueue one transfer; see ``OffloadingHandler.transfer_async``.
 
-        Caller bugs (:class:`~aiokvo.errors.TransferSpecError`) raise at once.
-        Any other error from the handler gives an already-finished task with
+        Caller bugs (:class:`~aiokvo.errors.TransferSpecError`) and bad
+        configuration (:class:`~aiokvo.errors.ConfigError`, e.g. a bad
+        ``$AIOKVO_POLLER_MODE``) raise at once: retrying cannot help. Any other
+        error from the handler gives an already-finished task with
         ``success=False``, and that result is reported like any other.
         """
         if self._closing:
@@ -126,7 +129,7 @@ class OffloadingWorker(FinishedResults, AsyncResource):
             raise DuplicateJobError(f"job_id {job_id} is still in flight on this worker")
         try:
             task = handler.transfer_async(job_id, spec)
-        except TransferSpecError:
+        except (TransferSpecError, ConfigError):
             raise
         except Exception as exc:
             logger.warning("transfer %d on %s failed to submit: %r", job_id, route, exc)

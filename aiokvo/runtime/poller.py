@@ -226,8 +226,13 @@ class EventPoller:
         if poller is None or poller._closed:
             try:
                 poller = cls(loop)
-            except ConfigError:  # another thread won the race to create it
-                poller = cls._by_loop[loop]
+            except ConfigError:
+                # Another thread won the race to create it, or the configuration
+                # is bad (``$AIOKVO_POLLER_MODE``): then there is none to return.
+                existing = cls.existing(loop)
+                if existing is None:
+                    raise
+                poller = existing
         return poller
 
     @classmethod

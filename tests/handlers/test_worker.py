@@ -225,3 +225,27 @@ async def test_a_handler_registered_with_another_worker_is_refused() -> None:
         # The result still reaches the first worker's readers.
         assert [r.job_id for r in first.get_finished_nowait()] == [1]
         assert second.get_finished_nowait() == []
+
+
+def test_a_bad_poller_mode_in_the_environment_raises_config_error_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aiokvo.errors import ConfigError
+    from aiokvo.runtime.poller import POLLER_MODE_ENV
+
+    monkeypatch.setenv(POLLER_MODE_ENV, "turbo")
+    with pytest.raises(ConfigError, match="'turbo'"):
+        RecordingHandler("GPU", "CPU")  # where the handlers are built
+    monkeypatch.delenv(POLLER_MODE_ENV)
+    handler = RecordingHandler("GPU", "CPU")
+    monkeypatch.setenv(POLLER_MODE_ENV, "turbo")  # set after the handlers were built
+
+    async def main() -> None:
+        async with OffloadingWorker() as worker:
+            worker.register_handler(GPULoadStoreSpec, CPULoadStoreSpec, handler)
+            for job in range(2):  # a ConfigError naming it each time, not failed results
+                with pytest.raises(ConfigError, match=r"AIOKVO_POLLER_MODE.*'turbo'"):
+                    worker.transfer_async(job, STORE)
+            assert worker.get_finished_nowait() == []
+
+    asyncio.run(main())  # a fresh loop, so the poller is made (and fails) on first use

@@ -343,6 +343,20 @@ def test_close_after_the_loop_closed_reports_nothing() -> None:
     assert poller.statistics().dropped_on_stop == 1
 
 
+def test_a_bad_mode_in_the_environment_is_a_config_error_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(POLLER_MODE_ENV, "turbo")
+    loop = asyncio.new_event_loop()
+    try:
+        for _ in range(2):  # every use says so, not only the first
+            with pytest.raises(ConfigError, match=f"{POLLER_MODE_ENV}.*'turbo'"):
+                EventPoller.for_loop(loop)
+        assert EventPoller.existing(loop) is None
+    finally:
+        loop.close()
+
+
 class StarvedWaiterSource:
     """Completes when ``done`` is set, but its ``synchronize`` stays blocked until
     ``release`` — a waiter thread that cannot get the GIL behind a busy loop."""
