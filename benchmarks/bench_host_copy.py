@@ -9,7 +9,8 @@ handler, so the ratio holds even on a noisy machine; ``memcpy`` is the same
 copy by numpy on one thread, and ``copy-only`` the handler's own copy time
 (``TransferResult.transfer_time``, both directions), both for context.
 
-Run: ``.venv/bin/python benchmarks/bench_host_copy.py``.
+Run: ``.venv/bin/python benchmarks/bench_host_copy.py`` (``--quick`` for a smoke
+run; ``bench_async.py --quick`` runs it that way).
 """
 
 from __future__ import annotations
@@ -39,7 +40,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--copy-threads", type=int, default=DEFAULT_COPY_THREADS)
     parser.add_argument("--poller-mode", default=None, choices=["spin", "adaptive", "thread"])
-    return parser.parse_args(argv)
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: pages of 4 and 32 KiB, 4 layers, 3 reps")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.page_kib, args.layers, args.reps = [4, 32], 4, 3
+    return args
 
 
 async def _bench_page(page: int, args: argparse.Namespace) -> dict[str, float]:

@@ -1,0 +1,21 @@
+"""The benchmarks' quick modes run to the end (they are not part of the package,
+so nothing else would notice one crashing)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_async_quick_runs_its_host_copy_section() -> None:
+    # bench_async used to hand --quick on to bench_host_copy, which had no such flag.
+    out = subprocess.run(
+        [sys.executable, "benchmarks/bench_async.py", "--quick", "--only", "host"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "## 3. Host-copy bandwidth" in out.stdout
+    assert "32Ki" in out.stdout  # a row of the host-copy table
