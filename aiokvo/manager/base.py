@@ -8,7 +8,10 @@ it on its hot path. Transfers themselves belong to handlers.
 Events are delivered two ways: ``take_events()`` returns the events recorded
 since the last call (only when ``enable_events`` is set), and
 ``subscribe()`` hands out an async stream that is fed at the moment each
-event is made, whether or not recording is enabled.
+event is made, whether or not recording is enabled. Recorded events are
+kept until ``take_events()`` is called, without bound (as in vLLM): with
+``enable_events=True``, call it regularly or use ``subscribe()``, whose
+buffers are bounded.
 """
 
 from __future__ import annotations
@@ -162,7 +165,11 @@ class OffloadingManager(ABC):
         return
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        """Events recorded since the last call (empty unless recording)."""
+        """Events recorded since the last call (empty unless recording).
+
+        The record is unbounded: with ``enable_events=True`` every event is
+        kept until this is called (docs/events.md).
+        """
         return self._sink.take()
 
     def subscribe(
