@@ -108,7 +108,7 @@ class Scheduler:
         in_flight = self.manager.lookup(first, self.ctx)
         say(f"lookup({NAMES[first]}) while its copy runs", f"-> {in_flight} (ask again later)")
         await copy_finished()
-        self.manager.complete_store(out.keys_to_store)
+        self.manager.complete_store(out.reservation)  # exactly the keys this store reserved
         say(f"complete_store({names(out.keys_to_store)})")
         await copy_finished()
 

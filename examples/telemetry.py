@@ -207,7 +207,7 @@ async def _demo(seconds: float, pool_blocks: int) -> None:
                     n = len(out.keys_to_store)
                     src_gpu = GPULoadStoreSpec(gpu_ids[:n], [n], [0])
                     result = await worker.transfer_async(job, (src_gpu, out.store_spec))
-                    manager.complete_store(out.keys_to_store, success=result.success)
+                    manager.complete_store(out.reservation, success=result.success)
             reporter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reporter
