@@ -197,6 +197,9 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
         )
 
 
+_COMPLETED = object()  # a reservation's holder once its manager completed it
+
+
 class StoreReservation:
     """The identity of one ``prepare_store``: the keys it reserved, and who may complete them.
 
@@ -215,15 +218,24 @@ class StoreReservation:
 
     def __init__(self, keys: Sequence[OffloadKey], holder: object = None) -> None:
         self.keys: tuple[OffloadKey, ...] = tuple(keys)
-        # Manager bookkeeping: its token while open (None once completed, or
-        # never held), and how many of ``keys`` it still holds.
+        # Manager bookkeeping: the token of the manager holding it open (None
+        # for a key list no manager holds), and how many of ``keys`` it still holds.
         self._holder = holder
         self._held = len(self.keys)
 
     @property
     def open(self) -> bool:
-        """True until the manager that made it has completed it."""
-        return self._holder is not None
+        """True while the manager that made it can still complete it."""
+        return self._holder is not None and self._holder is not _COMPLETED
+
+    @property
+    def completed(self) -> bool:
+        """True once the manager that made it completed it."""
+        return self._holder is _COMPLETED
+
+    def _complete(self) -> None:
+        self._holder = _COMPLETED
+        self._held = 0
 
     def __iter__(self) -> Iterator[OffloadKey]:
         return iter(self.keys)
@@ -235,7 +247,7 @@ class StoreReservation:
         return key in self.keys
 
     def __repr__(self) -> str:
-        state = "open" if self._holder is not None else "completed"
+        state = "completed" if self.completed else "open" if self.open else "a key list"
         return f"<StoreReservation {state}, {len(self.keys)} keys>"
 
 

@@ -432,13 +432,17 @@ class CPUOffloadingManager(OffloadingManager):
 
     def _complete_reservation(self, reservation: StoreReservation, success: bool) -> None:
         if reservation._holder is not self._token:
-            state = "was already completed" if reservation._holder is None else (
-                "belongs to another manager")
+            if reservation.completed:
+                why = "it was already completed"
+            elif reservation.open:
+                why = "it belongs to another manager"
+            else:
+                why = "no manager holds it (it is a key list: complete its keys)"
             raise StaleReservationError(
-                f"cannot complete {reservation!r}: it {state}; nothing was changed"
+                f"cannot complete {reservation!r}: {why}; nothing was changed"
             )
-        reservation._holder = None
         held, owned = reservation._held, reservation.keys
+        reservation._complete()
         if held == len(owned):  # the usual case: nobody completed any of them by key
             if not held:
                 return
@@ -452,7 +456,6 @@ class CPUOffloadingManager(OffloadingManager):
             deque(map(writing.pop, done), maxlen=0)
         else:
             return
-        reservation._held = 0
         self._finish_store(done, success)
 
     def _finish_store(self, done: Sequence[OffloadKey], success: bool) -> None:

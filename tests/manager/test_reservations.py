@@ -57,7 +57,8 @@ def test_a_reservation_completes_its_keys(policy: str) -> None:
     out = reserve(m, [a, b])
     assert out.reservation.keys == (a, b) and out.reservation.open
     m.complete_store(out.reservation, success=True)
-    assert not out.reservation.open
+    assert not out.reservation.open and out.reservation.completed
+    assert repr(out.reservation) == "<StoreReservation completed, 2 keys>"
     assert m.lookup(a, CTX) is True and m.lookup(b, CTX) is True
     assert list(m.take_events()) == [OffloadingEvent([a, b], "CPU", False)]
 
@@ -205,6 +206,6 @@ def test_outputs_built_positionally_get_a_key_list_reservation(policy: str) -> N
     # ... and is not open in a manager that does track them.
     m = CPUOffloadingManager(4, cache_policy=policy)
     reserve(m, [a, b])
-    with pytest.raises(StaleReservationError):
+    with pytest.raises(StaleReservationError, match="key list"):
         m.complete_store(out.reservation)
     assert m.lookup(a, CTX) is None
