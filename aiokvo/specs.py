@@ -251,12 +251,17 @@ class StoreReservation:
         return f"<StoreReservation {state}, {len(self.keys)} keys>"
 
 
+_PLAIN_INT = frozenset((int,))
+
+
 def _int_tuple(name: str, values: Sequence[int]) -> tuple[int, ...]:
     """``values`` as a tuple of ints >= 0; ``int()`` would turn 2.9, "2" and True into ints."""
     try:
         items = tuple(values)
     except TypeError:
         raise InvalidSpecError(f"{name} must be a sequence of ints, got {values!r}") from None
+    if set(map(type, items)) <= _PLAIN_INT and (not items or min(items) >= 0):
+        return items  # the usual case, in C: plain ints (bool is not one), none negative
     return tuple(
         check_int(f"{name}[{i}]", v, minimum=0, error=InvalidSpecError)
         for i, v in enumerate(items)
