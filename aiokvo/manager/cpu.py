@@ -270,13 +270,12 @@ class CPUOffloadingManager(OffloadingManager):
         keys = key_sequence(keys, "touch")
         # Absent keys are ignored, so they are checked here: held keys were
         # checked when stored, and one C-level probe per key finds the others.
+        a, b = self._table_a, self._table_b
         try:
-            if self._policy.prefix_len(keys) != len(keys):
-                a, b = self._table_a, self._table_b
-                absent = filterfalse(a.__contains__, keys)
-                if b:
-                    absent = filterfalse(b.__contains__, absent)
-                check_keys(list(absent), "touch")
+            absent = filterfalse(a.__contains__, keys)
+            if b:
+                absent = filterfalse(b.__contains__, absent)
+            check_keys(list(absent), "touch")
         except TypeError:  # unhashable
             check_keys(keys, "touch")
             raise
