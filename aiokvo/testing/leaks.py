@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Iterable
 from typing import Any, Protocol, cast
 
 from aiokvo.errors import ConfigError
-from aiokvo.keys import OffloadKey
+from aiokvo.keys import OffloadKey, describe_key
 from aiokvo.manager.policies.base import WRITING, BlockStatus
 from aiokvo.specs import TransferResult
 
@@ -129,9 +129,10 @@ def assert_no_leaks(
             if status is None:
                 continue
             if status.ref_cnt == WRITING:
-                writing.append(f"{key!r} (block {status.block_id})")
+                writing.append(f"{describe_key(key)} (block {status.block_id})")
             elif status.ref_cnt > 0:
-                pinned.append(f"{key!r} (block {status.block_id}, {status.ref_cnt} pins)")
+                pins = f"block {status.block_id}, {status.ref_cnt} pins"
+                pinned.append(f"{describe_key(key)} ({pins})")
         if pinned:
             problems.append(f"{len(pinned)} keys still pinned by loads: {', '.join(pinned)}")
         if writing:

@@ -41,6 +41,7 @@ def test_pins_reservations_and_lost_blocks_are_all_reported() -> None:
     message = str(caught.value)
     assert "1 keys still pinned by loads" in message and "2 pins" in message
     assert "1 keys still reserved by stores that never completed" in message
+    assert "OffloadKey(" in message and repr(KEYS[3]) not in message  # keys shown briefly
     assert "blocks leaked: 4 cached + 4 free != 9 blocks" in message
 
 
