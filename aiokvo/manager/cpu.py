@@ -202,7 +202,8 @@ class CPUOffloadingManager(OffloadingManager):
     def lookup_prefix(
         self, keys: Iterable[OffloadKey], req_context: ReqContext
     ) -> int | None:
-        keys = key_sequence(keys, "lookup_prefix")
+        if type(keys) is not list and type(keys) is not tuple:  # the check, inlined
+            keys = key_sequence(keys, "lookup_prefix")
         try:
             hits = self._policy.prefix_len(keys)
         except TypeError:
@@ -226,7 +227,8 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> CPULoadStoreSpec:
-        keys = key_sequence(keys, "prepare_load")
+        if type(keys) is not list and type(keys) is not tuple:  # the check, inlined
+            keys = key_sequence(keys, "prepare_load")
         try:
             block_ids = self._policy.block_ids(keys)
         except (KeyError, TypeError):
@@ -267,7 +269,8 @@ class CPUOffloadingManager(OffloadingManager):
         raise AssertionError("_load_error called without a bad key")
 
     def touch(self, keys: Collection[OffloadKey]) -> None:
-        keys = key_sequence(keys, "touch")
+        if type(keys) is not list and type(keys) is not tuple:  # the check, inlined
+            keys = key_sequence(keys, "touch")
         # Absent keys are ignored, so they are checked here: held keys were
         # checked when stored, and one C-level probe per key finds the others.
         a, b = self._table_a, self._table_b
@@ -275,7 +278,9 @@ class CPUOffloadingManager(OffloadingManager):
             absent = filterfalse(a.__contains__, keys)
             if b:
                 absent = filterfalse(b.__contains__, absent)
-            check_keys(list(absent), "touch")
+            missing = list(absent)
+            if missing:
+                check_keys(missing, "touch")
         except TypeError:  # unhashable
             check_keys(keys, "touch")
             raise
@@ -288,7 +293,8 @@ class CPUOffloadingManager(OffloadingManager):
         :class:`BlockNotReadyError` for one with no pending load left, in
         both cases before releasing anything.
         """
-        keys = key_sequence(keys, "complete_load")
+        if type(keys) is not list and type(keys) is not tuple:  # the check, inlined
+            keys = key_sequence(keys, "complete_load")
         pinned = self._pinned
         try:
             usual = not self._extra_pins and pinned.issuperset(keys)
@@ -330,7 +336,8 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        keys = key_sequence(keys, "prepare_store")
+        if type(keys) is not list and type(keys) is not tuple:  # the check, inlined
+            keys = key_sequence(keys, "prepare_store")
         # Keys already held are skipped; a key listed twice is stored once.
         # The same dict later serves as the set of protected keys.
         try:
@@ -406,7 +413,8 @@ class CPUOffloadingManager(OffloadingManager):
         if type(keys) is StoreReservation:
             self._complete_reservation(keys, success)
             return
-        keys = key_sequence(keys, "complete_store")
+        if type(keys) is not list and type(keys) is not tuple:  # the check, inlined
+            keys = key_sequence(keys, "complete_store")
         writing = self._writing
         try:
             done = list(filter(writing.__contains__, keys))
