@@ -577,3 +577,19 @@ def test_the_sink_holds_any_subscriber_weakly() -> None:
     assert len(sink) == 1
     sink.publish(stored(1))
     assert kept.seen == 1
+
+
+def test_a_subscriber_that_cannot_be_held_weakly_is_refused() -> None:
+    class Slotted:
+        __slots__ = ()
+
+        def push(self, event: OffloadingEvent) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    sink = EventSink(record=False)
+    with pytest.raises(ConfigError, match="weakly referenceable"):
+        sink.attach(Slotted())
+    assert len(sink) == 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import weakref
 from typing import Literal, Protocol
 
+from aiokvo.errors import ConfigError
 from aiokvo.specs import OffloadingEvent
 
 __all__ = ["EventSink", "OverflowPolicy", "Subscriber"]
@@ -26,7 +27,11 @@ OverflowPolicy = Literal["drop_oldest", "drop_newest"]
 
 
 class Subscriber(Protocol):
-    """What the sink needs of a subscription (``aiokvo.events.EventSubscription``)."""
+    """What the sink needs of a subscription (``aiokvo.events.EventSubscription``).
+
+    The sink holds it weakly, so it must be weakly referenceable (a class
+    with ``__slots__`` lists ``"__weakref__"``) and kept alive by its owner.
+    """
 
     def push(self, event: OffloadingEvent) -> None: ...
 
@@ -75,7 +80,14 @@ class EventSink:
             if owner is not None:
                 owner._subscribers = [r for r in owner._subscribers if r is not ref]
 
-        self._subscribers = [*self._subscribers, weakref.ref(subscription, collected)]
+        try:
+            ref = weakref.ref(subscription, collected)
+        except TypeError:
+            raise ConfigError(
+                f"a subscriber must be weakly referenceable (the sink holds it weakly), "
+                f"got {subscription!r}"
+            ) from None
+        self._subscribers = [*self._subscribers, ref]
 
     def detach(self, subscription: Subscriber) -> None:
         self._subscribers = [r for r in self._subscribers if r() is not subscription]
