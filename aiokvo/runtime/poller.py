@@ -386,14 +386,11 @@ class EventPoller:
         return loop
 
     def _stop(self) -> None:
-        """The loop is gone: drop everything pending and let the threads go."""
+        """The loop is gone (closed or collected): drop everything pending and let
+        the threads go. Its handles are not cancelled: a closed loop runs none of
+        them, and this may run on whatever thread collected the loop."""
         self._closed = self._stopped = True
-        if self._tick_handle is not None:
-            self._tick_handle.cancel()
-            self._tick_handle = None
-        if self._fallback_handle is not None:
-            self._fallback_handle.cancel()
-            self._fallback_handle = None
+        self._tick_handle = self._fallback_handle = None
         dropped = sum(len(queue) for queue in self._lanes.values())
         self._lanes.clear()
         self._spin_lanes = 0
