@@ -123,16 +123,6 @@ class CPUOffloadingManager(OffloadingManager):
         return len(self._free_ids) + self._num_blocks - self._num_allocated
 
     @property
-    def num_writing_blocks(self) -> int:
-        """Blocks whose store is in flight (``ref_cnt == -1``)."""
-        return len(self._writing)
-
-    @property
-    def num_pinned_blocks(self) -> int:
-        """Blocks with at least one pending load (``ref_cnt > 0``)."""
-        return len(self._pinned)
-
-    @property
     def recency(self) -> Recency:
         """``"touch"`` or ``"request"``: when the policy learns that keys were used."""
         return self._recency

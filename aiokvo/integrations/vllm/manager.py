@@ -165,9 +165,8 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
 
     def get_stats(self) -> Any:
         stats = OffloadingConnectorStats()
-        core = self._core
-        num_blocks = core.num_blocks
-        writing, pinned = core.num_writing_blocks, core.num_pinned_blocks
+        pool = self._manager.statistics()
+        num_blocks, writing, pinned = pool.num_blocks, pool.writing_blocks, pool.pinned_blocks
         usage = (writing + pinned) / num_blocks if num_blocks else 0.0
         write_usage = writing / num_blocks if num_blocks else 0.0
         stats.set_gauge(CACHE_USAGE, usage)
@@ -177,7 +176,7 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
             stats.observe_histogram(ALLOCATION_SIZE, size)
         self._allocation_sizes.clear()
         if self._filter is not None:
-            skipped = self._filter.stores_skipped
+            skipped = pool.reuse_filtered_blocks  # offers mode: vLLM's skipped stores
             stats.increase_counter(STORES_SKIPPED, skipped - self._skipped_reported)
             self._skipped_reported = skipped
         failed = self._failures.consumed
