@@ -28,7 +28,7 @@ check_vllm_version(vllm.__version__)
 
 from aiokvo.integrations.vllm.manager import AiokvoOffloadingManager  # noqa: E402
 from aiokvo.integrations.vllm.spec import AIOKVO_KEYS, AiokvoOffloadingSpec  # noqa: E402
-from aiokvo.integrations.vllm.worker import AiokvoOffloadingWorker, WorkerStatistics  # noqa: E402
+from aiokvo.integrations.vllm.worker import AiokvoOffloadingWorker, VllmWorkerStatistics  # noqa: E402
 
 __all__ = [
     "AIOKVO_KEYS",
@@ -36,5 +36,5 @@ __all__ = [
     "AiokvoOffloadingManager",
     "AiokvoOffloadingSpec",
     "AiokvoOffloadingWorker",
-    "WorkerStatistics",
+    "VllmWorkerStatistics",
 ]

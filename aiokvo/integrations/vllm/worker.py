@@ -44,7 +44,7 @@ from aiokvo.specs import TransferResult, TransferSpec
 if TYPE_CHECKING:
     from aiokvo.handlers.sync import SyncOffloadingWorker
 
-__all__ = ["AiokvoOffloadingWorker", "LoadFailurePolicy", "WorkerStatistics"]
+__all__ = ["AiokvoOffloadingWorker", "LoadFailurePolicy", "VllmWorkerStatistics"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ LoadFailurePolicy = Literal["report", "raise"]
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerStatistics:
+class VllmWorkerStatistics:
     """A snapshot of the vLLM worker facade's counters (retries are the facade's)."""
 
     stores: int = 0
@@ -95,9 +95,9 @@ class AiokvoOffloadingWorker(VllmOffloadingWorker):  # type: ignore[misc]
     def sync_worker(self) -> SyncOffloadingWorker:
         return self._sync
 
-    def statistics(self) -> WorkerStatistics:
+    def statistics(self) -> VllmWorkerStatistics:
         sync = self._sync.statistics()
-        return WorkerStatistics(
+        return VllmWorkerStatistics(
             **self._counts,
             quarantined_blocks=len(self._quarantined),
             retried=sync.retried,
