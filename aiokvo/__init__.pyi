@@ -14,6 +14,7 @@ from aiokvo.handlers.host.handler import HostOffloadingHandler as HostOffloading
 from aiokvo.handlers.routes import make_cpu_gpu_handlers as make_cpu_gpu_handlers
 from aiokvo.handlers.stats import HandlerStatistics as HandlerStatistics
 from aiokvo.handlers.stats import WorkerStatistics as WorkerStatistics
+from aiokvo.handlers.sync import SyncOffloadingWorker as SyncOffloadingWorker
 from aiokvo.handlers.task import TransferTask as TransferTask
 from aiokvo.handlers.worker import OffloadingWorker as OffloadingWorker
 from aiokvo.keys import OffloadKey as OffloadKey
@@ -44,6 +45,8 @@ from aiokvo.offloading_spec import OffloadingSpec as OffloadingSpec
 from aiokvo.runtime.poller import EventPoller as EventPoller
 from aiokvo.runtime.poller import PollerMode as PollerMode
 from aiokvo.runtime.poller import PollerStatistics as PollerStatistics
+from aiokvo.runtime.pump import LoopThread as LoopThread
+from aiokvo.runtime.pump import PumpedLoop as PumpedLoop
 from aiokvo.runtime.run import run as run
 from aiokvo.specs import BlockIDsLoadStoreSpec as BlockIDsLoadStoreSpec
 from aiokvo.specs import CPULoadStoreSpec as CPULoadStoreSpec

@@ -15,8 +15,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiokvo._util import check_int, check_name
+from aiokvo._util import check_choice, check_int, check_name
 from aiokvo.errors import ConfigError
+from aiokvo.manager.policies.base import RECENCY_MODES, Recency
+from aiokvo.manager.reuse import COUNTING_MODES, Counting
 
 __all__ = ["EXTRA_CONFIG_KEYS", "OffloadConfig", "UnknownConfigKeyWarning"]
 
@@ -27,6 +29,8 @@ EXTRA_CONFIG_KEYS: frozenset[str] = frozenset(
         "eviction_policy",
         "store_threshold",
         "max_tracker_size",
+        "recency",
+        "store_counting",
         "spec_name",
         "spec_module_path",
     }
@@ -50,7 +54,10 @@ class OffloadConfig:
     only once it was looked up that many times (``FilterReusedOffloadingManager``).
     ``instance_id`` (the engine's id, the same on every rank) makes the CPU
     pool one shared region that all ``world_size`` ranks map, each as
-    ``rank``; without it every rank has a private pool.
+    ``rank``; without it every rank has a private pool. ``recency`` and
+    ``store_counting`` pick the seed's rules (the defaults, ``"touch"`` and
+    ``"lookups"``) or vLLM 0.32's (``"request"`` and ``"offers"``); see
+    docs/manager.md.
     """
 
     gpu_block_sizes: tuple[int, ...]
@@ -61,6 +68,8 @@ class OffloadConfig:
     eviction_policy: str = "lru"
     store_threshold: int = 0
     max_tracker_size: int = 64_000
+    recency: Recency = "touch"
+    store_counting: Counting = "lookups"
     enable_events: bool = False
     world_size: int = 1
     rank: int = 0
@@ -94,6 +103,8 @@ class OffloadConfig:
         _check_str("eviction_policy", self.eviction_policy)
         self._int_field("store_threshold", minimum=0)
         self._int_field("max_tracker_size", minimum=1)
+        check_choice("recency", self.recency, RECENCY_MODES)
+        check_choice("store_counting", self.store_counting, COUNTING_MODES)
         if not isinstance(self.enable_events, bool):
             raise ConfigError(f"enable_events must be a bool, got {self.enable_events!r}")
         self._int_field("world_size", minimum=1)
@@ -190,6 +201,8 @@ class OffloadConfig:
             eviction_policy=_parse_str("eviction_policy", extra.get("eviction_policy", "lru")),
             store_threshold=_parse_int("store_threshold", extra.get("store_threshold", 0)),
             max_tracker_size=_parse_int("max_tracker_size", extra.get("max_tracker_size", 64_000)),
+            recency=extra.get("recency", "touch"),
+            store_counting=extra.get("store_counting", "lookups"),
             enable_events=enable_events,
             world_size=world_size,
             rank=rank,

@@ -117,18 +117,25 @@ class CPUOffloadingSpec(OffloadingSpec):
         from aiokvo.manager.cpu import CPUOffloadingManager
 
         config = self.config
+        # The modes are passed only when chosen: the seed's calls stay as they were.
+        modes: dict[str, Any] = {} if config.recency == "touch" else {"recency": config.recency}
         manager: OffloadingManager = CPUOffloadingManager(
             num_blocks=config.num_cpu_blocks,
             cache_policy=config.eviction_policy,
             enable_events=config.enable_events,
+            **modes,
         )
         if config.store_threshold >= 2:
             from aiokvo.manager.reuse import FilterReusedOffloadingManager
 
+            counting: dict[str, Any] = (
+                {} if config.store_counting == "lookups" else {"counting": config.store_counting}
+            )
             manager = FilterReusedOffloadingManager(
                 manager,
                 store_threshold=config.store_threshold,
                 max_tracker_size=config.max_tracker_size,
+                **counting,
             )
         return manager
 

@@ -91,11 +91,15 @@ class ReqContext:
     """Per-request data a manager may consult (opaque to the built-in ones).
 
     ``block_metadata`` describes the request's tokens for KV-event consumers
-    (see :class:`BlockMetadata`); managers never read it.
+    (see :class:`BlockMetadata`); managers never read it. Pass the same
+    context to every call of one request: a manager with
+    ``recency="request"`` keeps the request's record of use on it (in a
+    private slot, so it goes away with the context).
     """
 
     kv_transfer_params: dict[str, Any] | None = None
     block_metadata: BlockMetadata | None = None
+    _access: object = field(default=None, init=False, repr=False, compare=False)
 
 
 class LoadStoreSpec(ABC):

@@ -1,6 +1,6 @@
 """Replay a bench_manager.py trace on vLLM's CPUOffloadingManager (the peer).
 
-Run with the peer's Python (``.vllm-peer/bin/python``), not aiokvo's: it
+Run with the peer's Python (``.vllm-venv/bin/python``, ``make .vllm-venv``), not aiokvo's: it
 imports only numpy and vLLM. bench_manager.py calls it with ``--peer`` and
 reads one JSON object per line from stdout.
 

@@ -34,7 +34,7 @@ lockstep chunks, alternating which goes first, and the per-chunk differences
 give a mean and its standard error, so load drift cancels.
 
     python benchmarks/bench_manager.py                       # aiokvo only
-    python benchmarks/bench_manager.py --peer .vllm-peer/bin/python
+    python benchmarks/bench_manager.py --peer .vllm-venv/bin/python
     python benchmarks/bench_manager.py --paired lru,mypkg.lru:LRU --paired-capacity 1000000
 """
 
@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save", help="write the trace to this .npz")
     parser.add_argument("--load", help="replay this .npz instead of generating")
     parser.add_argument("--peer", metavar="PYTHON",
-                        help="also replay on vLLM with this interpreter (.vllm-peer/bin/python)")
+                        help="also replay on vLLM with this interpreter (.vllm-venv/bin/python)")
     parser.add_argument("--peer-lifecycle", action="store_true",
                         help="also time vLLM with on_new_request/on_request_finished per request")
     parser.add_argument("--repeat", type=int, default=1,

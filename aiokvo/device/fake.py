@@ -111,7 +111,9 @@ class FakeDriver:
         self._call_failures: dict[str, list[CudaError]] = {}
         self.calls: Counter[str] = Counter()
         self.kernels_compiled: Counter[str] = Counter()
-        self._producer: int | None = None
+        # Like torch's: one default stream, and a current stream per thread.
+        self._default_stream: int | None = None
+        self._current = threading.local()
         self._pending_gate: threading.Event | None = None
         self._pending_failure: CudaError | None = None
         self.gate_timeout = 30.0  # a test that fails before opening a gate must not hang
@@ -262,12 +264,18 @@ class FakeDriver:
         self._stream(stream).ops.put(wait)
 
     def current_stream(self) -> int:
-        if self._producer is None:
-            self._producer = self.stream_create()
-        return self._producer
+        """The calling thread's current stream (torch keeps one per thread);
+        threads that never set one share a default stream."""
+        stream: int | None = getattr(self._current, "stream", None)
+        if stream is not None:
+            return stream
+        if self._default_stream is None:
+            self._default_stream = self.stream_create()
+        return self._default_stream
 
-    def set_current_stream(self, stream: int) -> None:
-        self._producer = stream
+    def set_current_stream(self, stream: int | None) -> None:
+        """Make ``stream`` the calling thread's current stream (None: the default)."""
+        self._current.stream = stream
 
     # -- events ---------------------------------------------------------
 

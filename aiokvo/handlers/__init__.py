@@ -9,6 +9,7 @@ from aiokvo.handlers.base import CpuGpuHandlers, OffloadingHandler, SingleDirect
 from aiokvo.handlers.host import HostOffloadingHandler, allocate_cpu_pool, make_host_handlers
 from aiokvo.handlers.routes import HandlerRoute, make_cpu_gpu_handlers
 from aiokvo.handlers.stats import HandlerStatistics, WorkerStatistics
+from aiokvo.handlers.sync import SyncOffloadingWorker, SyncWorkerStatistics
 from aiokvo.handlers.task import TransferTask
 from aiokvo.handlers.worker import OffloadingWorker
 
@@ -20,6 +21,8 @@ __all__ = [
     "OffloadingHandler",
     "OffloadingWorker",
     "SingleDirectionHandler",
+    "SyncOffloadingWorker",
+    "SyncWorkerStatistics",
     "TransferTask",
     "WorkerStatistics",
     "allocate_cpu_pool",

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from aiokvo.errors import CapacityError
 from aiokvo.keys import OffloadKey, key_sequence
 from aiokvo.manager.policies.base import BlockStatus
+from aiokvo.manager.requests import KeyPosition
 from aiokvo.manager.sink import EventSink, OverflowPolicy
 from aiokvo.manager.stats import ManagerStatistics
 from aiokvo.specs import LoadStoreSpec, OffloadingEvent, PrepareStoreOutput, ReqContext
@@ -163,6 +164,29 @@ class OffloadingManager(ABC):
         iterates as its keys) or a list of keys.
         """
         return
+
+    def on_request_finished(
+        self, req_context: ReqContext, position: KeyPosition | None = None
+    ) -> None:
+        """The request of ``req_context`` will make no more ``prepare_*`` calls.
+
+        A manager with per-request recency applies the request's use of its
+        keys now, in prefix order (``position`` says where each key sits,
+        e.g. vLLM's ``ReqContext.get_offload_key_position``; without it, the
+        order first seen); others ignore it. ``complete_*`` calls for the
+        request's transfers may still follow.
+        """
+        return
+
+    def reset_cache(self, *, announce: bool = True) -> None:
+        """Drop every block, ready or in motion, and all history.
+
+        Transfers prepared before the reset must be finished (their memory
+        may be handed out again at once) and never completed afterwards.
+        With ``announce``, the dropped ready keys are published as one
+        ``removed=True`` event.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support reset_cache")
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Events recorded since the last call (empty unless recording).

@@ -13,6 +13,10 @@ State is split so that the common case costs no per-block Python objects:
 small, and "is this block evictable?" is two C-level membership tests. Each
 operation is one pass of ``map``/``filter``/``dict`` builtins over its keys.
 Decisions are exactly the seed's; see docs/manager.md.
+
+``recency="request"`` selects vLLM 0.32's rules instead: the manager records
+what each request loads and offers (:mod:`aiokvo.manager.requests`) and
+applies it once in :meth:`CPUOffloadingManager.on_request_finished`.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ from operator import is_
 
 import numpy as np
 
-from aiokvo._util import check_int
+from aiokvo._util import check_choice, check_int
 from aiokvo.errors import BlockNotReadyError, StaleReservationError, UnknownKeyError
 from aiokvo.keys import GROUP_IDX_BYTES, OffloadKey, check_keys, describe_key, key_sequence
 from aiokvo.manager.base import OffloadingManager, StoreRefusal
-from aiokvo.manager.policies.base import WRITING, BlockStatus, CachePolicy
+from aiokvo.manager.policies.base import RECENCY_MODES, WRITING, BlockStatus, CachePolicy, Recency
 from aiokvo.manager.policies.registry import resolve_policy
+from aiokvo.manager.requests import KeyPosition, finish_access, request_access
 from aiokvo.manager.sink import EventSink
 from aiokvo.manager.stats import ManagerStatistics
 from aiokvo.specs import (
@@ -75,6 +80,11 @@ class CPUOffloadingManager(OffloadingManager):
     :class:`~aiokvo.errors.InvalidKeyError` before changing anything. Keys
     found in the pool were checked when they were stored, so only keys that
     are not found are checked on the hot path (docs/manager.md).
+
+    ``recency`` is ``"touch"`` (the seed's: recency comes from
+    :meth:`touch`) or ``"request"`` (vLLM 0.32's: each request's loads and
+    offers are applied once, by :meth:`on_request_finished`; see
+    docs/manager.md, "Recency modes").
     """
 
     medium = CPULoadStoreSpec.medium()
@@ -84,12 +94,18 @@ class CPUOffloadingManager(OffloadingManager):
         num_blocks: int,
         cache_policy: str | type[CachePolicy] = "lru",
         enable_events: bool = False,
+        *,
+        recency: Recency = "touch",
     ) -> None:
         num_blocks = check_int("num_blocks", num_blocks, minimum=0)
+        self._recency: Recency = check_choice("recency", recency, RECENCY_MODES)
+        self._by_request = self._recency == "request"
+        self._generation = 0  # bumped by reset_cache: older request records are stale
         self._num_blocks = num_blocks
         self._num_allocated = 0
         self._free_ids: list[int] = []
         self._policy: CachePolicy = resolve_policy(cache_policy)(num_blocks)
+        self._policy.recency = self._recency
         # ``lookup`` probes these inline: no Python-level call per key.
         self._table_a, self._table_b = self._policy.membership_tables()
         self._writing: dict[OffloadKey, StoreReservation] = {}
@@ -124,6 +140,11 @@ class CPUOffloadingManager(OffloadingManager):
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out without evicting anything."""
         return len(self._free_ids) + self._num_blocks - self._num_allocated
+
+    @property
+    def recency(self) -> Recency:
+        """``"touch"`` or ``"request"``: when the policy learns that keys were used."""
+        return self._recency
 
     @property
     def policy(self) -> CachePolicy:
@@ -237,6 +258,8 @@ class CPUOffloadingManager(OffloadingManager):
             raise self._load_error(keys)
         self._loads += 1
         self._blocks_pinned += len(keys)
+        if self._by_request:
+            request_access(req_context, self, self._generation).record(keys, reused=keys)
         pinned = self._pinned
         if not self._extra_pins and (not pinned or pinned.isdisjoint(keys)):
             before = len(pinned)
@@ -346,13 +369,14 @@ class CPUOffloadingManager(OffloadingManager):
             check_keys(keys, "prepare_store")
             raise
         new_keys = self._policy.uncached(named)
-        if not new_keys:
-            self._stores += 1
-            self._refusal = None
-            return PrepareStoreOutput([], _cpu_spec([]), [], StoreReservation((), self._token))
-        check_keys(new_keys, "prepare_store")  # the only keys this call adds
+        if new_keys:
+            check_keys(new_keys, "prepare_store")  # the only keys this call adds
         self._stores += 1
         self._refusal = None
+        if self._by_request:
+            self._record_offer(named, new_keys, req_context)
+        if not new_keys:
+            return PrepareStoreOutput([], _cpu_spec([]), [], StoreReservation((), self._token))
 
         free_ids = self._free_ids
         free = len(free_ids) + self._num_blocks - self._num_allocated
@@ -383,7 +407,28 @@ class CPUOffloadingManager(OffloadingManager):
         for key in new_keys:
             writing[key] = reservation
         self._blocks_reserved += len(new_keys)
+        if self._by_request:
+            request_access(req_context, self, self._generation).inserted.update(new_keys)
         return PrepareStoreOutput(new_keys, _cpu_spec(block_ids), evicted_keys, reservation)
+
+    def _record_offer(
+        self, named: dict[OffloadKey, None], new_keys: list[OffloadKey], req_context: ReqContext
+    ) -> None:
+        """Per-request recency: note an offer before anything is allocated (vLLM 0.32).
+
+        New keys are a store miss for the policy (ARC's ghost hits), once
+        per key per request, whether or not the store then fits. New keys
+        and keys already ready are the request's use; ready ones are reuse.
+        Keys still being written are neither.
+        """
+        access = request_access(req_context, self, self._generation)
+        misses = [key for key in new_keys if key not in access.store_misses]
+        if misses:
+            self._policy.on_store_miss(misses)
+            access.store_misses.update(misses)
+        new, writing = set(new_keys), self._writing
+        used = [key for key in named if key in new or key not in writing]
+        access.record(used, reused=[key for key in used if key not in new])
 
     def _allocate(self, count: int) -> list[int]:
         fresh = min(count, self._num_blocks - self._num_allocated)
@@ -476,3 +521,57 @@ class CPUOffloadingManager(OffloadingManager):
             freed_ids = self._policy.block_ids(done)
             self._policy.remove(done)
             self._free_ids += freed_ids
+
+    # -- requests and resets ---------------------------------------------------
+
+    def on_request_finished(
+        self, req_context: ReqContext, position: KeyPosition | None = None
+    ) -> None:
+        """With ``recency="request"``: apply the request's use of its keys, once.
+
+        The keys it loaded or offered (and that were stored or ready) go to
+        the policy in prefix order (:meth:`RequestAccess.ordered
+        <aiokvo.manager.requests.RequestAccess.ordered>` with ``position``),
+        split into the ones it only stored and the ones it reused. A second
+        call, or one for a context this manager recorded nothing on (or
+        only before a :meth:`reset_cache`), does nothing; so does every call
+        with ``recency="touch"``.
+        """
+        if not self._by_request:
+            return
+        access = finish_access(req_context, self, self._generation)
+        if access is None:
+            return
+        keys = access.ordered(position)
+        if keys:
+            self._policy.on_request_finished(
+                keys, access.inserted - access.reused, access.reused, self._writing
+            )
+
+    def reset_cache(self, *, announce: bool = True) -> None:
+        """Drop every block, ready or in motion, and the policy's history.
+
+        Block ids start again from 0 and every request's record is dropped,
+        as vLLM 0.32's ``reset_cache`` does. Transfers prepared before the
+        reset must have finished before their blocks are reused, and must
+        not be completed afterwards (vLLM's scheduler flushes them and drops
+        their completions). With ``announce`` (and events on), one
+        ``removed=True`` event lists the ready keys that were dropped, so a
+        subscriber's view stays right; vLLM's integration passes
+        ``announce=False`` because vLLM announces ``AllBlocksCleared`` itself.
+        """
+        writing = self._writing
+        dropped = (
+            [key for key, _ in self._policy.items() if key not in writing]
+            if announce and self._sink.active
+            else []
+        )
+        self._policy.clear()
+        writing.clear()
+        self._pinned.clear()
+        self._extra_pins.clear()
+        self._free_ids.clear()
+        self._num_allocated = 0
+        self._generation += 1
+        if dropped:
+            self._sink.publish(OffloadingEvent(dropped, self.medium, True))

@@ -10,6 +10,7 @@ from aiokvo.runtime.poller import (
     PollerStatistics,
     resolve_poller_mode,
 )
+from aiokvo.runtime.pump import LoopDriver, LoopDriverMode, LoopThread, PumpedLoop, make_loop_driver
 from aiokvo.runtime.run import loop_factory, run
 from aiokvo.runtime.sources import AssistableSource, CompletionSource, HostEvent
 
@@ -21,10 +22,15 @@ __all__ = [
     "CompletionSource",
     "EventPoller",
     "HostEvent",
+    "LoopDriver",
+    "LoopDriverMode",
+    "LoopThread",
     "NotifyingSource",
     "PollerMode",
     "PollerStatistics",
+    "PumpedLoop",
     "loop_factory",
+    "make_loop_driver",
     "resolve_poller_mode",
     "run",
 ]

@@ -2,9 +2,11 @@
 
 Each transfer is enqueued on a pooled non-blocking stream, in this order:
 
-1. (GPU->CPU only) wait for the *producer* stream -- torch's current
-   stream by default -- so the copy reads the KV data the model has
-   finished writing, not what it is still writing;
+1. wait for the *producer* (compute) stream -- torch's current stream
+   by default -- as it stands when ``transfer_async`` is called: a store
+   then reads the KV data the model has finished writing, and a load
+   writes after the work already queued on those GPU blocks (the engine
+   zeroing freshly allocated blocks, a forward still reading them);
 2. wait for the previous transfer's end event, so a direction is FIFO;
 3. the timing start event (optional), the copies (DMA or the SM kernel,
    see :mod:`~aiokvo.handlers.cuda.engines`), the timing stop event;
@@ -47,8 +49,9 @@ from aiokvo.specs import TransferSpec
 __all__ = ["CudaOffloadingHandler", "ProducerStream"]
 
 ProducerStream = int | Callable[[], int] | None
-"""The stream whose work a store must wait for: a handle, a function giving
-one at each submission, or None for torch's current stream."""
+"""The stream whose queued work a transfer must wait for (the engine's compute
+stream): a handle, a function giving one at each submission, or None for
+torch's current stream on the submitting thread."""
 
 
 class _Transfer:
@@ -229,10 +232,13 @@ class CudaOffloadingHandler(SingleDirectionHandler):
         if self._timing_events is not None:
             transfer.timing.append(self._timing_events.acquire())
             transfer.timing.append(self._timing_events.acquire())
-        if self.gpu_to_cpu:
-            transfer.producer_event = self._events.acquire()
-            driver.event_record(transfer.producer_event, self._producer_stream())
-            driver.stream_wait_event(stream, transfer.producer_event)
+        # Both directions order after the compute stream, captured here, on the
+        # submitting thread (torch's current stream is per thread): a store must
+        # not read KV still being written, a load must not be overwritten by
+        # work queued before it (vLLM zeroes new blocks on that stream).
+        transfer.producer_event = self._events.acquire()
+        driver.event_record(transfer.producer_event, self._producer_stream())
+        driver.stream_wait_event(stream, transfer.producer_event)
         if self._last_end is not None:
             driver.stream_wait_event(stream, self._last_end)
         if transfer.timing:

@@ -10,6 +10,12 @@ skipping everything already chosen, pinned or protected. Because its
 choice for victim *i+1* only depends on how many T1 victims were taken so
 far, the victims are always a run of T1's evictable keys followed by a run
 of T2's, so each list is walked once per call. The decisions are identical.
+
+With the manager's ``recency="request"`` (vLLM 0.32's rules) a request's own
+stores stay in T1 and a key it reused moves T1 -> T2 once, when the request
+finishes (:meth:`ARCCachePolicy.on_request_finished`), and an eviction that
+finds T2 without enough evictable blocks goes on taking T1's next ones past
+the target instead of failing, as 0.32 does.
 """
 
 from __future__ import annotations
@@ -142,21 +148,58 @@ class ARCCachePolicy(CachePolicy):
         # once T1 runs dry, every remaining victim comes from T2.
         target = int(self.target_t1_size)
         quota = min(n, len(t1) - target + 1) if len(t1) >= target else 0
-        victims = list(islice(evictable(t1, exclude), quota)) if quota > 0 else []
-        rest = n - len(victims)
+        t1_walk = evictable(t1, exclude)
+        from_t1 = list(islice(t1_walk, quota)) if quota > 0 else []
+        rest = n - len(from_t1)
         from_t2 = list(islice(evictable(t2, exclude), rest)) if rest else []
+        past_target: list[OffloadKey] = []
         if len(from_t2) < rest:
-            return None
-        ids: list[int] = []
+            if self.recency != "request":
+                return None
+            # 0.32: T2 ran dry, so T1's next evictable keys, past the target.
+            short = rest - len(from_t2)
+            past_target = list(islice(t1_walk, short))
+            if len(past_target) < short:
+                return None
+        # Victims (and their ids) in the order chosen: T1, T2, then T1 again.
         # A ghost list only needs trimming after it grew: it was trimmed then.
-        if victims:
-            ids += map(t1.pop, victims)
-            self._remember(self.b1, victims)
+        victims = from_t1 + from_t2 + past_target
+        ids: list[int] = [*map(t1.pop, from_t1), *map(t2.pop, from_t2), *map(t1.pop, past_target)]
+        if from_t1 or past_target:
+            self._remember(self.b1, from_t1 + past_target)
         if from_t2:
-            ids += map(t2.pop, from_t2)
             self._remember(self.b2, from_t2)
-            victims += from_t2
         return victims, ids
+
+    def on_request_finished(
+        self,
+        keys: Sequence[OffloadKey],
+        insertion_only: Container[OffloadKey],
+        reused: Container[OffloadKey],
+        writing: Container[OffloadKey],
+    ) -> None:
+        # Tail to head, so the head ends most recent. A store is not a second
+        # use: the request's own inserts keep their list and only move to its
+        # MRU end; a reuse moves T1 -> T2 (or to T2's MRU end), once.
+        t1, t2 = self.t1, self.t2
+        for key in reversed(keys):
+            if key in insertion_only:
+                if key in t1:
+                    t1.move_to_end(key)
+                elif key in t2:
+                    t2.move_to_end(key)
+            elif key in reused:
+                if key in t1:
+                    t2[key] = t1.pop(key)
+                elif key in t2:
+                    t2.move_to_end(key)
+
+    def clear(self) -> None:
+        self.t1.clear()
+        self.t2.clear()
+        self.b1.clear()
+        self.b2.clear()
+        self.target_t1_size = 0.0
 
     def _remember(self, ghosts: OrderedDict[OffloadKey, None], keys: list[OffloadKey]) -> None:
         ghosts.update(dict.fromkeys(keys))

@@ -16,10 +16,21 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Container, Iterable, Iterator, Sequence
 from itertools import takewhile
+from typing import Literal, TypeAlias
 
 from aiokvo.keys import OffloadKey
 
-__all__ = ["WRITING", "BlockStatus", "CachePolicy", "Evicted"]
+__all__ = ["RECENCY_MODES", "WRITING", "BlockStatus", "CachePolicy", "Evicted", "Recency"]
+
+Recency: TypeAlias = Literal["touch", "request"]
+"""When a manager tells its policy that keys were used.
+
+``"touch"`` (the seed's): whenever the caller calls ``touch``, typically on
+every lookup hit. ``"request"`` (vLLM 0.32's): once per request, when it
+finishes, over the keys it loaded or offered in prefix order; a request's own
+stores are not a second use. See docs/manager.md, "Recency modes"."""
+
+RECENCY_MODES: tuple[Recency, ...] = ("touch", "request")
 
 WRITING = -1
 """``ref_cnt`` of a block whose data is still being copied in."""
@@ -80,7 +91,15 @@ class CachePolicy(ABC):
 
     ``cache_capacity`` is the pool size; policies that keep history (ARC's
     ghost lists) bound it by that.
+
+    With ``recency="request"`` (set by the manager on :attr:`recency` before
+    first use) the manager also calls :meth:`on_store_miss` and
+    :meth:`on_request_finished`, whose defaults fall back on ``touch``, and
+    :meth:`clear` on ``reset_cache``.
     """
+
+    recency: Recency = "touch"
+    """The manager's recency mode (a policy may adapt its rules to it)."""
 
     def __init__(self, cache_capacity: int) -> None:
         self.cache_capacity = cache_capacity
@@ -114,6 +133,41 @@ class CachePolicy(ABC):
     @abstractmethod
     def evict(self, n: int, exclude: Sequence[Container[OffloadKey]]) -> Evicted | None:
         """Remove ``n`` evictable blocks, all or nothing."""
+
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+        """A request offered ``keys``, none of them cached, for storing.
+
+        Called once per key per request (``recency="request"``), before the
+        keys are inserted and whether or not the store then fits. The
+        default touches them: for ARC that is a ghost-list hit (the target
+        adapts), for LRU a no-op (absent keys are ignored).
+        """
+        self.touch(keys, frozenset())
+
+    def on_request_finished(
+        self,
+        keys: Sequence[OffloadKey],
+        insertion_only: Container[OffloadKey],
+        reused: Container[OffloadKey],
+        writing: Container[OffloadKey],
+    ) -> None:
+        """One request's use of ``keys`` (prefix order, head first), applied once.
+
+        ``insertion_only`` holds the keys this request stored and never read
+        back; ``reused`` those it loaded, or offered while they were ready
+        (a key it stored itself is never in ``reused``). Keys in neither
+        were offered but not stored (refused or filtered). The default
+        touches every key, so the head of the prefix ends most recent.
+        """
+        self.touch(keys, writing)
+
+    def clear(self) -> None:
+        """Forget every cached key and any history (``reset_cache``).
+
+        The default removes every cached key; policies with more state
+        (ARC's ghost lists and target) override it.
+        """
+        self.remove([key for key, _ in self.items()])
 
     def membership_tables(self) -> tuple[Container[object], Container[object]]:
         """Two containers whose union is exactly the cached keys, kept up to date.

@@ -154,6 +154,26 @@ async def test_store_waits_for_a_producer_stream_passed_in(driver: RuntimeDriver
         assert torch.all(pair.cpu_tensors[0][0] == -5)
 
 
+async def test_load_waits_for_the_current_stream_zeroing_its_blocks(driver: RuntimeDriver) -> None:
+    # vLLM zeroes new blocks on its compute stream, then submits the load: the
+    # load must land after the zeroing, or the zeros overwrite it.
+    kv = [torch.zeros((8, 8192), dtype=torch.int8, device="cuda")]
+    caches = CanonicalKVCaches.from_block_tensors([kv])
+    async with make_cuda_handlers(
+        caches, block_size_factor=1, num_cpu_blocks=2, driver=driver
+    ) as pair:
+        pair.cpu_tensors[0][1].fill_(7)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)  # ~50 ms on torch's current stream, then zero
+        kv[0][4].zero_()
+        result = await pair.cpu_to_gpu.transfer_async(
+            1, (CPULoadStoreSpec([1]), GPULoadStoreSpec([4], [1], [0]))
+        )
+        assert result.success, result.error
+        torch.cuda.synchronize()
+        assert torch.all(kv[0][4] == 7)
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 async def test_shared_region_registered_as_pinned(driver: RuntimeDriver, engine: str) -> None:
     from aiokvo.memory.shared_region import SharedOffloadRegion

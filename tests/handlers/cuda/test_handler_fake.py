@@ -288,6 +288,55 @@ async def test_store_waits_for_the_producer_stream(rig: Rig, how: str) -> None:
         assert torch.equal(rig.cpu[0][3], final)
 
 
+@pytest.mark.parametrize("how", ["current", "handle", "callable"])
+async def test_load_waits_for_the_producer_stream(rig: Rig, how: str) -> None:
+    # vLLM zeroes freshly allocated blocks on its compute stream before the
+    # forward, and submits the load after: the load must land after the zeroing.
+    compute = rig.driver.stream_create()
+    options: dict[str, object] = {}
+    if how == "current":
+        rig.driver.set_current_stream(compute)
+    elif how == "handle":
+        options["producer_stream"] = compute
+    else:
+        options["producer_stream"] = lambda: compute
+    try:
+        async with rig.handler(False, **options) as back:
+            rig.cpu[0][3].fill_(55)
+            gate = rig.driver.hold(compute)
+            rig.driver.enqueue_host(compute, lambda: rig.gpu[0][2].zero_())
+            task = back.transfer_async(1, load([3], [2]))
+            gate.set()
+            assert (await task).success
+            assert torch.all(rig.gpu[0][2] == 55)
+    finally:
+        rig.driver.set_current_stream(None)
+
+
+async def test_the_compute_stream_is_read_on_the_submitting_thread(rig: Rig) -> None:
+    # torch's current stream is per thread: a transfer submitted on this thread
+    # waits for this thread's stream, not for one another thread made current.
+    mine, theirs = rig.driver.stream_create(), rig.driver.stream_create()
+    rig.driver.set_current_stream(mine)
+    other = threading.Thread(target=rig.driver.set_current_stream, args=(theirs,))
+    other.start()
+    other.join()
+    try:
+        async with rig.handler(False) as back:
+            rig.cpu[0][1].fill_(9)
+            mine_gate, theirs_gate = rig.driver.hold(mine), rig.driver.hold(theirs)
+            rig.driver.enqueue_host(mine, lambda: rig.gpu[0][5].zero_())
+            task = back.transfer_async(1, load([1], [5]))
+            await asyncio.sleep(0.05)
+            assert not task.done()  # waits for this thread's stream ...
+            mine_gate.set()
+            assert (await task).success  # ... and only for it
+            assert torch.all(rig.gpu[0][5] == 9)
+            theirs_gate.set()
+    finally:
+        rig.driver.set_current_stream(None)
+
+
 async def test_transfer_time_comes_from_timing_events(rig: Rig) -> None:
     async with rig.handler(False) as timed, rig.handler(False, timing=False) as untimed:
         result = await timed.transfer_async(1, load([0], [0]))

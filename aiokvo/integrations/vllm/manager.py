@@ -1,0 +1,189 @@
+"""aiokvo's manager behind vLLM 0.32's ``OffloadingManager`` ABC: translation only.
+
+Every decision is the wrapped aiokvo manager's, built with vLLM 0.32's rules
+(``recency="request"``, and ``counting="offers"`` when ``store_threshold >=
+2``). This class converts the values that cross: ``LookupResult``, vLLM's
+``CPULoadStoreSpec`` (int32 chunk ids), ``PrepareStoreOutput``,
+``OffloadingEvent`` (``Medium.CPU``), the per-request context (vLLM's
+``ReqContext`` carries an aiokvo one in its state), and the stats vLLM's
+Prometheus logger expects (:mod:`aiokvo.integrations.vllm.metrics`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import OffloadingManager as VllmOffloadingManager
+from vllm.v1.kv_offload.base import PrepareStoreOutput as VllmPrepareStoreOutput
+from vllm.v1.kv_offload.base import RequestOffloadingContext
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from aiokvo.integrations.vllm.convert import cpu_spec_to_vllm, event_to_vllm, lookup_result
+from aiokvo.integrations.vllm.failures import StoreFailures
+from aiokvo.integrations.vllm.metrics import (
+    ALLOCATION_SIZE,
+    CACHE_READ_USAGE,
+    CACHE_USAGE,
+    CACHE_WRITE_USAGE,
+    STORE_FAILURES,
+    STORES_SKIPPED,
+)
+from aiokvo.keys import OffloadKey
+from aiokvo.manager.base import OffloadingManager
+from aiokvo.manager.cpu import CPUOffloadingManager
+from aiokvo.manager.reuse import FilterReusedOffloadingManager
+from aiokvo.specs import ReqContext
+
+__all__ = ["AiokvoOffloadingManager"]
+
+_LOOKUP_CONTEXT = ReqContext()  # aiokvo's lookup reads no context; skip the per-key fetch
+
+
+class _Request:
+    """The aiokvo context of one vLLM request, kept in vLLM's ``ReqContext`` state."""
+
+    __slots__ = ("context",)
+
+    def __init__(self, kv_transfer_params: dict[str, Any] | None) -> None:
+        self.context = ReqContext(kv_transfer_params=kv_transfer_params)
+
+
+def _context(req_context: Any) -> ReqContext:
+    state: _Request | None = req_context.get_state(_Request)
+    if state is None:  # a request the connector did not announce (vLLM does for untracked ones)
+        state = _Request(req_context.kv_transfer_params)
+        req_context.set_state(state)
+    return state.context
+
+
+class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
+    """vLLM's manager interface over an aiokvo manager; see the module docstring.
+
+    ``store_failures`` is where this process's workers report stores that
+    failed for good (:mod:`aiokvo.integrations.vllm.failures`): their keys
+    are completed as failed, so they are never served.
+    """
+
+    def __init__(self, manager: OffloadingManager, store_failures: StoreFailures) -> None:
+        if isinstance(manager, FilterReusedOffloadingManager):
+            self._filter: FilterReusedOffloadingManager | None = manager
+            core = manager.backing
+        else:
+            self._filter, core = None, manager
+        if not isinstance(core, CPUOffloadingManager):
+            raise TypeError(f"expected aiokvo's CPUOffloadingManager, got {core!r}")
+        self._manager = manager
+        self._core = core
+        self._failures = store_failures
+        self._allocation_sizes: list[int] = []
+        self._skipped_reported = 0
+        self._failed_reported = 0
+
+    @property
+    def aiokvo_manager(self) -> OffloadingManager:
+        """The aiokvo manager making the decisions (read it, don't drive it)."""
+        return self._manager
+
+    # -- requests --------------------------------------------------------------
+    def on_new_request(self, req_context: Any) -> Any:
+        req_context.set_state(_Request(req_context.kv_transfer_params))
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: Any) -> None:
+        state: _Request | None = req_context.get_state(_Request)
+        if state is not None:
+            self._manager.on_request_finished(state.context, req_context.get_offload_key_position)
+
+    def on_schedule_end(self, context: Any) -> None:
+        return
+
+    def has_pending_work(self) -> bool:
+        return False
+
+    # -- lookups and loads -------------------------------------------------------
+    def lookup(self, key: OffloadKey, req_context: Any) -> Any:
+        return lookup_result(self._manager.lookup(key, _LOOKUP_CONTEXT))
+
+    def get_load_source(self, key: OffloadKey, req_context: Any) -> Any:
+        return CacheHitSource.HOST
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: Any) -> Any:
+        return cpu_spec_to_vllm(self._manager.prepare_load(keys, _context(req_context)))
+
+    def touch(self, keys: Collection[OffloadKey], req_context: Any) -> None:
+        self._manager.touch(keys)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: Any) -> None:
+        self._manager.complete_load(keys)
+
+    # -- stores ----------------------------------------------------------------
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: Any) -> Any:
+        out = self._manager.prepare_store(keys, _context(req_context))
+        if out is None:
+            # vLLM counts a refused allocation in the histogram too.
+            self._allocation_sizes.append(self._candidates(keys))
+            return None
+        if out.keys_to_store:
+            self._allocation_sizes.append(len(out.keys_to_store))
+        return VllmPrepareStoreOutput(
+            keys_to_store=list(out.keys_to_store),
+            store_spec=cpu_spec_to_vllm(out.store_spec),
+            evicted_keys=list(out.evicted_keys),
+        )
+
+    def _candidates(self, keys: Collection[OffloadKey]) -> int:
+        """How many blocks a refused store asked for: its new keys that passed the filter."""
+        new = self._core.policy.uncached(dict.fromkeys(keys))
+        flt = self._filter
+        if flt is None:
+            return len(new)
+        return sum(1 for key in new if flt.counts.get(key, 0) >= flt.store_threshold)
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: Any, success: bool = True
+    ) -> None:
+        if success and self._failures.pending:
+            failed = self._failures.take(self._core, keys)
+            if failed:
+                self._manager.complete_store(failed, success=False)
+                keys = [key for key in keys if key not in failed]
+        self._manager.complete_store(keys, success)
+
+    # -- the rest ----------------------------------------------------------------
+    def take_events(self) -> Iterable[Any]:
+        return [event_to_vllm(event) for event in self._manager.take_events()]
+
+    def reset_cache(self) -> None:
+        # vLLM's scheduler announces AllBlocksCleared itself, and its own
+        # manager publishes nothing here: no removal event (docs/vllm.md).
+        self._manager.reset_cache(announce=False)
+        self._failures.clear()
+
+    def get_stats(self) -> Any:
+        stats = OffloadingConnectorStats()
+        pool = self._manager.statistics()
+        num_blocks, writing, pinned = pool.num_blocks, pool.writing_blocks, pool.pinned_blocks
+        usage = (writing + pinned) / num_blocks if num_blocks else 0.0
+        write_usage = writing / num_blocks if num_blocks else 0.0
+        stats.set_gauge(CACHE_USAGE, usage)
+        stats.set_gauge(CACHE_WRITE_USAGE, write_usage)
+        stats.set_gauge(CACHE_READ_USAGE, max(usage - write_usage, 0.0))
+        for size in self._allocation_sizes:
+            stats.observe_histogram(ALLOCATION_SIZE, size)
+        self._allocation_sizes.clear()
+        if self._filter is not None:
+            skipped = pool.reuse_filtered_blocks  # offers mode: vLLM's skipped stores
+            stats.increase_counter(STORES_SKIPPED, skipped - self._skipped_reported)
+            self._skipped_reported = skipped
+        failed = self._failures.consumed
+        stats.increase_counter(STORE_FAILURES, failed - self._failed_reported)
+        self._failed_reported = failed
+        return stats
+
+    def shutdown(self) -> None:
+        self._manager.shutdown()
+

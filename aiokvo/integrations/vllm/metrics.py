@@ -1,0 +1,72 @@
+"""The stats keys the vLLM manager emits, and their Prometheus metadata.
+
+vLLM's Prometheus logger asserts that every key a manager's ``get_stats``
+emits was declared by the spec's ``build_metric_definitions`` (with matching
+label names), so both come from here. The names are vLLM's CPU offloading
+metrics, with the same meaning, so dashboards built for vLLM's native
+offload keep working; aiokvo adds one counter of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
+)
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
+
+__all__ = [
+    "ALLOCATION_SIZE",
+    "CACHE_READ_USAGE",
+    "CACHE_USAGE",
+    "CACHE_WRITE_USAGE",
+    "STORES_SKIPPED",
+    "STORE_FAILURES",
+    "metric_definitions",
+]
+
+CACHE_USAGE: str = CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC
+CACHE_WRITE_USAGE: str = CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC
+CACHE_READ_USAGE: str = CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC
+ALLOCATION_SIZE: str = CPUOffloadingMetrics.CPU_ALLOCATION_SIZE
+STORES_SKIPPED: str = CPUOffloadingMetrics.STORES_SKIPPED
+STORE_FAILURES = "vllm:kv_offload_aiokvo_store_failures"
+
+
+def store_threshold(extra_config: Mapping[str, Any]) -> int:
+    """``store_threshold`` as vLLM reads it (``int(value)``, default 0)."""
+    return int(extra_config.get("store_threshold", 0))
+
+
+def metric_definitions(extra_config: Mapping[str, Any]) -> dict[str, Any]:
+    """Every key :class:`~aiokvo.integrations.vllm.manager.AiokvoOffloadingManager` emits."""
+    definitions: dict[str, Any] = {
+        CACHE_USAGE: OffloadingGaugeMetadata(
+            documentation="Fraction of the CPU KV pool held by transfers in flight "
+            "(stores being written plus blocks being read)."
+        ),
+        CACHE_WRITE_USAGE: OffloadingGaugeMetadata(
+            documentation="Fraction of the CPU KV pool held by stores in flight."
+        ),
+        CACHE_READ_USAGE: OffloadingGaugeMetadata(
+            documentation="Fraction of the CPU KV pool held by loads in flight."
+        ),
+        ALLOCATION_SIZE: OffloadingHistogramMetadata(
+            documentation="CPU blocks allocated by each KV offload prepare_store call.",
+            buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144),
+        ),
+        STORE_FAILURES: OffloadingCounterMetadata(
+            documentation="KV offload stores that failed after aiokvo's retries; "
+            "their blocks were dropped, never served."
+        ),
+    }
+    if store_threshold(extra_config) >= 2:
+        definitions[STORES_SKIPPED] = OffloadingCounterMetadata(
+            documentation="KV offload stores skipped because the block was not "
+            "offered store_threshold times yet."
+        )
+    return definitions

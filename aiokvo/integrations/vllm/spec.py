@@ -1,0 +1,180 @@
+"""``AiokvoOffloadingSpec``: what vLLM's OffloadingConnector loads by name.
+
+vLLM's factory imports ``spec_module_path``, takes ``spec_name`` from it,
+checks that it subclasses vLLM's own ``OffloadingSpec`` and constructs it
+with the ``OffloadingConfig`` alone, once per connector: in one process with
+``world_size == 1`` there is a scheduler-role instance (asked only for
+``get_manager``) and a worker-role one (asked only for ``get_worker``).
+
+The spec maps vLLM's config onto an aiokvo :class:`~aiokvo.config.OffloadConfig`
+with vLLM 0.32's rules (``recency="request"``, ``store_counting="offers"``)
+and a pool of exactly as many chunks as vLLM's own CPU spec would make,
+then lets an aiokvo :class:`~aiokvo.offloading_spec.CPUOffloadingSpec` build
+the manager and the handlers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.kv_offload.base import OffloadingSpec as VllmOffloadingSpec
+
+from aiokvo._util import check_choice, check_int
+from aiokvo.config import OffloadConfig
+from aiokvo.errors import ConfigError
+from aiokvo.integrations.vllm.failures import store_failures
+from aiokvo.integrations.vllm.manager import AiokvoOffloadingManager
+from aiokvo.integrations.vllm.metrics import metric_definitions, store_threshold
+from aiokvo.integrations.vllm.worker import AiokvoOffloadingWorker, LoadFailurePolicy
+from aiokvo.offloading_spec import CPUOffloadingSpec
+
+if TYPE_CHECKING:
+    from aiokvo.runtime.pump import LoopDriverMode
+
+__all__ = ["CHUNK_ALIGNMENT", "AIOKVO_KEYS", "AiokvoOffloadingSpec", "offload_config"]
+
+CHUNK_ALIGNMENT = 4096
+"""vLLM's CPU spec rounds each chunk's bytes up to a page (``mmap.PAGESIZE``)
+when it sizes the pool; the same rounding gives the same number of chunks."""
+
+AIOKVO_KEYS = frozenset(
+    {"aiokvo_loop", "aiokvo_retries", "aiokvo_on_load_failure", "aiokvo_handler_options"}
+)
+"""aiokvo's own ``kv_connector_extra_config`` keys (docs/vllm.md)."""
+
+
+
+def _config_int(extra: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    """An integer from the extra config the way vLLM reads it (``int(value)``)."""
+    value = extra.get(key, default)
+    if value is None:
+        raise ConfigError(f"{key} must be specified in kv_connector_extra_config")
+    if isinstance(value, bool):
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} must be an integer, got {value!r}") from None
+
+
+def offload_config(config: Any) -> OffloadConfig:
+    """aiokvo's config for vLLM's ``OffloadingConfig`` (0.32), with 0.32's rules.
+
+    The pool holds ``cpu_bytes_to_use // round_up(worker_kv_bytes_per_block *
+    world_size * blocks_per_chunk, 4096)`` chunks, vLLM's own count.
+    """
+    extra = config.extra_config
+    if config.canonical_layout:
+        raise ConfigError(
+            "canonical_layout is not supported by aiokvo's spec; remove it from "
+            "kv_connector_extra_config"
+        )
+    cpu_bytes = _config_int(extra, "cpu_bytes_to_use")
+    if cpu_bytes <= 0:
+        raise ConfigError(f"cpu_bytes_to_use must be > 0, got {cpu_bytes}")
+    per_block = check_int("worker_kv_bytes_per_block", config.worker_kv_bytes_per_block, minimum=0)
+    parallel = config.parallel
+    world = max(1, int(parallel.world_size))
+    per_chunk_bytes = 0
+    blocks_per_chunk = int(config.cache.blocks_per_chunk)
+    sizes = tuple(int(g.tokens_per_block) for g in config.groups)
+    if not sizes:
+        sizes = (int(config.cache.tokens_per_hash) * blocks_per_chunk,)
+    if per_block:
+        per_chunk = per_block * world * blocks_per_chunk
+        num_chunks = cpu_bytes // (-(-per_chunk // CHUNK_ALIGNMENT) * CHUNK_ALIGNMENT)
+        # aiokvo's pool is cpu_bytes_to_use // per_chunk blocks: give it exactly vLLM's count.
+        per_chunk_bytes = num_chunks * per_chunk
+    offloaded: int | None = None
+    if blocks_per_chunk > 1:
+        if len(set(sizes)) != 1:
+            raise ConfigError(
+                f"blocks_per_chunk={blocks_per_chunk} needs every offloaded KV group to have "
+                f"one block size; got tokens_per_block {sizes}"
+            )
+        offloaded = sizes[0] * blocks_per_chunk
+    return OffloadConfig(
+        gpu_block_sizes=sizes,
+        hash_block_size=int(config.cache.tokens_per_hash),
+        cpu_bytes_to_use=per_chunk_bytes or cpu_bytes,
+        kv_bytes_per_block=per_block,
+        offloaded_block_size=offloaded,
+        eviction_policy=str(extra.get("eviction_policy", "lru")),
+        store_threshold=max(0, store_threshold(extra)),
+        max_tracker_size=_config_int(extra, "max_tracker_size", 64_000),
+        recency="request",
+        store_counting="offers",
+        enable_events=bool(config.enable_kv_cache_events),
+        world_size=world,
+        rank=int(parallel.rank) if world > 1 else 0,
+        instance_id=str(config.engine_id) if world > 1 else None,
+    )
+
+
+class AiokvoOffloadingSpec(VllmOffloadingSpec):  # type: ignore[misc]
+    """vLLM's ``OffloadingSpec`` for aiokvo; see the module docstring and docs/vllm.md.
+
+    ``inner_spec_class`` is the aiokvo spec that builds the manager and the
+    handlers from :attr:`aiokvo_config` (a subclass may change the data plane).
+    """
+
+    inner_spec_class: type[CPUOffloadingSpec] = CPUOffloadingSpec
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        return metric_definitions(extra_config)
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        extra = config.extra_config
+        unknown = sorted(k for k in extra if k.startswith("aiokvo_") and k not in AIOKVO_KEYS)
+        if unknown:
+            raise ConfigError(
+                f"unknown aiokvo keys {unknown} in kv_connector_extra_config; "
+                f"known: {sorted(AIOKVO_KEYS)}"
+            )
+        if extra.get("cache_policy_module_path") is not None:
+            raise ConfigError(
+                "cache_policy_module_path names a vLLM CachePolicy; with aiokvo give an "
+                "aiokvo policy as eviction_policy='package.module:ClassName'"
+            )
+        self.aiokvo_config = offload_config(config)
+        self.loop_mode: LoopDriverMode = check_choice(
+            "aiokvo_loop", extra.get("aiokvo_loop", "auto"), ("auto", "pump", "thread")
+        )
+        self.retries = check_int("aiokvo_retries", extra.get("aiokvo_retries", 2), minimum=0)
+        self.on_load_failure: LoadFailurePolicy = check_choice(
+            "aiokvo_on_load_failure", extra.get("aiokvo_on_load_failure", "report"),
+            ("report", "raise"),
+        )
+        options = extra.get("aiokvo_handler_options", {})
+        if not isinstance(options, Mapping):
+            raise ConfigError(f"aiokvo_handler_options must be a mapping, got {options!r}")
+        self.handler_options: dict[str, Any] = dict(options)
+        self._engine_id = str(config.engine_id)
+        self._manager: AiokvoOffloadingManager | None = None
+        self._worker: AiokvoOffloadingWorker | None = None
+
+    @property
+    def num_chunks(self) -> int:
+        """CPU chunks in the pool (vLLM's name for offloaded blocks)."""
+        return self.aiokvo_config.num_cpu_blocks
+
+    def get_manager(self) -> AiokvoOffloadingManager:
+        if self._manager is None:
+            inner = self.inner_spec_class(self.aiokvo_config)
+            self._manager = AiokvoOffloadingManager(
+                inner.get_manager(), store_failures(self._engine_id)
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: Any) -> AiokvoOffloadingWorker:
+        if self._worker is None:
+            from aiokvo.integrations.vllm.runner import build_worker
+
+            self._worker = build_worker(self, kv_caches)
+        return self._worker

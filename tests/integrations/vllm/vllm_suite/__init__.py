@@ -1,0 +1,1 @@
+"""Running vLLM's own offload tests against aiokvo (see plugin.py)."""
