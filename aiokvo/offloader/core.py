@@ -53,7 +53,13 @@ from aiokvo.offloader.lease import PrefixLease
 from aiokvo.offloader.results import OffloaderStatistics, StoreResult
 from aiokvo.offloading_spec import CPUOffloadingSpec, OffloadingSpec
 from aiokvo.runtime.poller import EventPoller
-from aiokvo.specs import GPULoadStoreSpec, LoadStoreSpec, ReqContext, TransferResult
+from aiokvo.specs import (
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    ReqContext,
+    StoreReservation,
+    TransferResult,
+)
 
 __all__ = ["Offloader"]
 
@@ -288,13 +294,13 @@ class Offloader(AsyncResource):
                 src = blocks.select([position[key] for key in reserved])
             task = self._worker.transfer_async(self._job(), (src, out.store_spec))
         except BaseException:
-            self._manager.complete_store(reserved, success=False)
+            self._manager.complete_store(out.reservation, success=False)
             self._blocks_store_failed += len(reserved)
             raise
         copy = self._track(task)
         self._writing.update(dict.fromkeys(reserved, copy))
         self._stores_in_flight += 1
-        task.add_done_callback(partial(self._store_done, reserved, copy))
+        task.add_done_callback(partial(self._store_done, reserved, out.reservation, copy))
         skipped: tuple[OffloadKey, ...] = ()
         if tail:
             skipped = tuple(keys[:start])
@@ -528,10 +534,17 @@ class Offloader(AsyncResource):
                 self._load_failures += 1
             copy.finish(result)
 
-    def _store_done(self, keys: list[OffloadKey], copy: InFlight, task: TransferTask) -> None:
+    def _store_done(
+        self,
+        keys: list[OffloadKey],
+        reservation: StoreReservation,
+        copy: InFlight,
+        task: TransferTask,
+    ) -> None:
         result = task.result()
         try:
-            self._manager.complete_store(keys, success=result.success)
+            # By reservation: a stale completion by anyone else can never finish ours.
+            self._manager.complete_store(reservation, success=result.success)
         except Exception as exc:  # a manager bug must not strand the waiters
             self._report("complete_store", exc)
         finally:
