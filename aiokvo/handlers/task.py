@@ -14,10 +14,13 @@ from typing import Any
 from aiokvo._util import check_int
 from aiokvo.specs import TransferResult
 
-__all__ = ["DEFAULT_MAX_BUFFERED", "FinishedResults", "ResultQueue", "TransferTask"]
+__all__ = ["DEFAULT_MAX_BUFFERED", "FinishedResults", "ResultQueue", "ResultTap", "TransferTask"]
 
 DEFAULT_MAX_BUFFERED = 65_536
 """Results a handler keeps for ``get_finished`` before it drops the oldest."""
+
+DEFAULT_TAP_SIZE = 65_536
+"""Results a :class:`ResultTap` keeps unread before it drops the oldest."""
 
 
 class TransferTask:
@@ -84,6 +87,7 @@ class ResultQueue:
         self._items: deque[TransferResult] = deque()
         self._readers: deque[asyncio.Future[TransferResult | None]] = deque()
         self._closed = False
+        self._taps: tuple[ResultTap, ...] = ()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -93,6 +97,8 @@ class ResultQueue:
         return self._closed
 
     def put(self, result: TransferResult) -> None:
+        for tap in self._taps:
+            tap.push(result)
         while self._readers:
             reader = self._readers.popleft()
             if not reader.done():
@@ -105,6 +111,15 @@ class ResultQueue:
             self._items.popleft()
             self.dropped += 1
         self._items.append(result)
+
+    def tap(self, maxsize: int = DEFAULT_TAP_SIZE) -> ResultTap:
+        """A :class:`ResultTap` that sees every result put here from now on."""
+        tap = ResultTap(self, maxsize)
+        self._taps = (*self._taps, tap)
+        return tap
+
+    def _untap(self, tap: ResultTap) -> None:
+        self._taps = tuple(t for t in self._taps if t is not tap)
 
     def take_all(self) -> list[TransferResult]:
         items = list(self._items)
@@ -139,6 +154,59 @@ class ResultQueue:
 
     def stream(self) -> AsyncIterator[TransferResult]:
         return _ResultStream(self)
+
+
+class ResultTap:
+    """A bounded copy of every result a :class:`ResultQueue` sees, for exporters.
+
+    ``get_finished()`` readers share one stream (each result goes to one of
+    them, and with ``max_buffered=0`` only to a reader already waiting); a
+    tap takes nothing from anyone and sees every result, whoever else reads.
+    It never blocks: past ``maxsize`` unread results the oldest is dropped
+    and counted in :attr:`dropped`. Exporters read it in batches with
+    :meth:`drain_nowait` (a periodic task, a scrape), so the results' path
+    pays one ``deque.append`` per tap. :meth:`close` detaches it.
+    """
+
+    __slots__ = ("_items", "_maxsize", "_queue", "dropped")
+
+    def __init__(self, queue: ResultQueue, maxsize: int = DEFAULT_TAP_SIZE) -> None:
+        self._maxsize = check_int("maxsize", maxsize, minimum=1)
+        self._queue: ResultQueue | None = queue
+        self._items: deque[TransferResult] = deque()
+        self.dropped = 0
+        """Results dropped unread because the tap was full."""
+
+    def push(self, result: TransferResult) -> None:
+        items = self._items
+        if len(items) >= self._maxsize:
+            items.popleft()
+            self.dropped += 1
+        items.append(result)
+
+    def drain_nowait(self) -> list[TransferResult]:
+        """Every result since the last drain, oldest first (empty when none)."""
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+    def qsize(self) -> int:
+        """Results waiting to be drained."""
+        return len(self._items)
+
+    @property
+    def maxsize(self) -> int:
+        return self._maxsize
+
+    @property
+    def closed(self) -> bool:
+        return self._queue is None
+
+    def close(self) -> None:
+        """Stop seeing new results (what is buffered can still be drained); idempotent."""
+        if self._queue is not None:
+            self._queue._untap(self)
+            self._queue = None
 
 
 class _ResultStream:

@@ -21,7 +21,14 @@ from aiokvo.errors import (
 )
 from aiokvo.handlers.base import OffloadingHandler
 from aiokvo.handlers.stats import WorkerStatistics
-from aiokvo.handlers.task import DEFAULT_MAX_BUFFERED, FinishedResults, ResultQueue, TransferTask
+from aiokvo.handlers.task import (
+    DEFAULT_MAX_BUFFERED,
+    DEFAULT_TAP_SIZE,
+    FinishedResults,
+    ResultQueue,
+    ResultTap,
+    TransferTask,
+)
 from aiokvo.specs import LoadStoreSpec, TransferResult, TransferSpec, TransferType
 
 __all__ = ["OffloadingWorker"]
@@ -95,6 +102,16 @@ class OffloadingWorker(FinishedResults, AsyncResource):
             dropped_results=self._results.dropped,
             handlers=tuple(handler.statistics() for handler in self._handlers),
         )
+
+    def tap_results(self, *, maxsize: int = DEFAULT_TAP_SIZE) -> ResultTap:
+        """A bounded copy of every result from now on, whoever else reads them.
+
+        For exporters (``aiokvo.telemetry.prometheus`` builds its transfer-time
+        histograms from one): it takes nothing from :meth:`get_finished` or
+        from the tasks' awaiters, and works with ``max_buffered=0``. Drain it
+        with ``drain_nowait()``; ``close()`` it when done.
+        """
+        return self._results.tap(maxsize)
 
     # ---------------------------------------------------------------- transfers
     def transfer_async(self, job_id: int, spec: TransferSpec) -> TransferTask:

@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 
 from aiokvo.errors import (
+    ConfigError,
     DuplicateJobError,
     DuplicateRouteError,
     HandlerClosedError,
@@ -249,3 +250,37 @@ def test_a_bad_poller_mode_in_the_environment_raises_config_error_naming_it(
             assert worker.get_finished_nowait() == []
 
     asyncio.run(main())  # a fresh loop, so the poller is made (and fails) on first use
+
+
+async def test_a_result_tap_sees_every_result_and_takes_none_from_readers() -> None:
+    worker = OffloadingWorker(max_buffered=0)  # as the Offloader builds it: nothing kept
+    store, load = RecordingHandler("GPU", "CPU"), RecordingHandler("CPU", "GPU")
+    worker.register_handler(GPULoadStoreSpec, CPULoadStoreSpec, store)
+    tap = worker.tap_results(maxsize=3)
+    worker.register_handler(CPULoadStoreSpec, GPULoadStoreSpec, load)  # registered after the tap
+    store.fail = RuntimeError("no stream")
+    failed = worker.transfer_async(9, STORE)  # a submit failure is reported too
+    store.fail = None
+    async with worker:
+        tasks = [worker.transfer_async(job, STORE if job % 2 else LOAD) for job in range(4)]
+        for job, task in enumerate(tasks):
+            (store if job % 2 else load).sources[job].set()
+            assert (await task).job_id == job  # the awaiter still gets its result
+        # Five results, room for three: the two oldest were dropped and counted.
+        assert [r.job_id for r in tap.drain_nowait()] == [1, 2, 3]
+        assert tap.dropped == 2
+        assert (await failed).success is False
+        assert worker.statistics().dropped_results == 5  # max_buffered=0 kept none itself
+        assert tap.drain_nowait() == [] and tap.qsize() == 0
+        tap.close()
+        tap.close()  # idempotent
+        assert tap.closed
+        worker.transfer_async(7, LOAD)
+        load.sources[7].set()
+    assert tap.drain_nowait() == []  # closed: it saw nothing more
+
+
+async def test_a_tap_refuses_a_bad_size() -> None:
+    worker, _, _ = make_worker()
+    with pytest.raises(ConfigError, match="maxsize"):
+        worker.tap_results(maxsize=0)
