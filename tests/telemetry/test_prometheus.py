@@ -1,0 +1,334 @@
+"""Prometheus metrics, scraped over real HTTP from a server started in the test.
+
+The workload is known block for block, so every value in the exposition is
+checked against what it must be, not just for presence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import urllib.request
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from aiokvo import Offloader
+from aiokvo.errors import ConfigError
+from aiokvo.manager.stats import ManagerStatistics
+from aiokvo.offloader.results import OffloaderStatistics
+from aiokvo.telemetry.prometheus import (
+    METRICS,
+    MetricsServer,
+    OffloadMetrics,
+    start_metrics_server,
+    totals_from_text,
+)
+from tests.offloader._harness import KV, Copies, keys
+from tests.telemetry.scrape import known_workload, parse, scrape, value
+
+
+@pytest.mark.both_loops
+async def test_a_real_scrape_reports_the_known_workload(
+    offloader: tuple[Offloader, KV, Copies],
+) -> None:
+    off, kv, _ = offloader
+    page = kv.caches.page_bytes_per_block
+    async with start_metrics_server(off, 0) as server:
+        assert isinstance(server, MetricsServer) and server.port > 0
+        await known_workload(off, kv)
+        text = await scrape(server.url)
+    s = parse(text)
+    cpu = {"medium": "CPU"}
+    assert value(s, "aiokvo_lookups_total", **cpu) == 1
+    assert value(s, "aiokvo_hit_blocks_total", **cpu) == 4
+    assert value(s, "aiokvo_miss_blocks_total", **cpu) == 2
+    assert value(s, "aiokvo_stored_blocks_total", **cpu) == 12
+    assert value(s, "aiokvo_loaded_blocks_total", **cpu) == 4
+    assert value(s, "aiokvo_evicted_blocks_total", **cpu) == 4
+    assert value(s, "aiokvo_pool_capacity_blocks", **cpu) == 8
+    assert value(s, "aiokvo_pool_used_blocks", **cpu) == 8
+    assert value(s, "aiokvo_pool_usage_ratio", **cpu) == 1.0
+    assert value(s, "aiokvo_pool_capacity_bytes", **cpu) == 8 * page
+    for direction, transfers, blocks in (("store", 2, 12), ("load", 1, 4)):
+        way = {"direction": direction, "medium": "CPU"}
+        assert value(s, "aiokvo_transfers_total", **way) == transfers
+        assert value(s, "aiokvo_transfer_failures_total", **way) == 0
+        assert value(s, "aiokvo_transfer_bytes_total", **way) == blocks * page
+        assert value(s, "aiokvo_transfers_in_flight", **way) == 0
+        # The histograms (from the result tap) agree with the handlers' counters.
+        assert value(s, "aiokvo_transfer_seconds_count", **way) == transfers
+        assert value(s, "aiokvo_transfer_seconds_bucket", **way, le="+Inf") == transfers
+        assert value(s, "aiokvo_transfer_seconds_sum", **way) == pytest.approx(
+            value(s, "aiokvo_transfer_copy_seconds_total", **way)
+        )
+        assert value(s, "aiokvo_transfer_size_bytes_sum", **way) == blocks * page
+    # Blocks are 128 bytes here: both stores fall in the first (64 KiB) bucket.
+    assert value(s, "aiokvo_transfer_size_bytes_bucket", direction="store", medium="CPU",
+                 le="65536.0") == 2
+    assert value(s, "aiokvo_event_blocks_total", medium="CPU", event="stored") == 12
+    assert value(s, "aiokvo_event_blocks_total", medium="CPU", event="removed") == 4
+    assert value(s, "aiokvo_dropped_events_total", consumer="metrics") == 0
+    assert value(s, "aiokvo_dropped_results_total", consumer="metrics") == 0
+    assert value(s, "aiokvo_offloader_calls_total", call="load_prefix") == 1
+    assert value(s, "aiokvo_offloader_calls_total", call="store") == 2
+    assert value(s, "aiokvo_metrics_stale_scrapes_total") == 0
+    # Every family in the exposition is one of the documented ones.
+    names = {f.name for f in text_string_to_metric_families(text)}
+    documented = {m.name.removesuffix("_total") for m in METRICS}
+    assert names <= documented
+    # The live view's reading of the same text agrees with the collector's own totals.
+    back = totals_from_text(text)
+    assert back.tiers["CPU"] == server.metrics.totals().tiers["CPU"]
+    assert back.transfer("store", "CPU").bytes == 12 * page
+
+
+async def test_failed_copies_are_counted_per_direction(
+    offloader: tuple[Offloader, KV, Copies],
+) -> None:
+    off, _, copies = offloader
+    ks = keys("a", "b", "c")
+    metrics = OffloadMetrics(off, CollectorRegistry())
+    copies.fail_next = 1
+    assert (await off.store(ks, [0, 1, 2])).failed == tuple(ks)
+    s = parse(generate_latest(metrics.registry).decode())
+    assert value(s, "aiokvo_transfer_failures_total", direction="store", medium="CPU") == 1
+    assert value(s, "aiokvo_failed_blocks_total", direction="store", medium="CPU") == 3
+    assert value(s, "aiokvo_pool_used_blocks", medium="CPU") == 0  # released again
+    # A failed copy has no size or time worth a histogram.
+    assert ("aiokvo_transfer_seconds_count",
+            frozenset({"direction": "store", "medium": "CPU"}.items())) not in s
+    await metrics.aclose()
+
+
+async def test_a_callers_registry_keeps_its_own_metrics_and_refuses_a_duplicate(
+    offloader: tuple[Offloader, KV, Copies],
+) -> None:
+    off, kv, _ = offloader
+    registry = CollectorRegistry()
+    requests = Counter("app_requests", "the caller's own", registry=registry)
+    requests.inc(3)
+    async with OffloadMetrics(off, registry, labels={"rank": "1"}) as metrics:
+        assert metrics.registry is registry
+        await known_workload(off, kv)
+        with pytest.raises(ConfigError, match="already has these metric names"):
+            OffloadMetrics(off, registry)
+        s = parse(generate_latest(registry).decode())
+        assert value(s, "app_requests_total") == 3
+        assert value(s, "aiokvo_hit_blocks_total", medium="CPU", rank="1") == 4
+        # The constant label is on every aiokvo series.
+        assert all(dict(labels).get("rank") == "1"
+                   for name, labels in s if name.startswith("aiokvo_"))
+    s = parse(generate_latest(registry).decode())
+    assert not any(name.startswith("aiokvo_") for name, _ in s)  # unregistered on close
+    assert value(s, "app_requests_total") == 3
+    OffloadMetrics(off, registry).close()  # the names are free again
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TieredStatistics(OffloaderStatistics):
+    """An Offloader snapshot that carries tiers, as one with a disk tier will."""
+
+    tiers: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class FakeDiskStatistics:
+    """A tier's snapshot in the shape the generic reader expects (docs/telemetry.md)."""
+
+    medium: str = "DISK"
+    manager: ManagerStatistics
+    hit_blocks: int
+    miss_blocks: int
+    blocks_loaded: int
+    checksum_failures: int
+    breaker_state: str
+    capacity_bytes: int
+    used_bytes: int
+
+
+class TieredSource:
+    """An Offloader whose snapshot has a DISK tier (the shape the disk branch reports)."""
+
+    def __init__(self, off: Offloader, disk: FakeDiskStatistics) -> None:
+        self._off = off
+        self.disk = disk
+        self.worker = off.worker
+        self.subscribe = off.subscribe
+
+    def statistics(self) -> TieredStatistics:
+        base = self._off.statistics()
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+        return TieredStatistics(**fields, tiers={"DISK": self.disk})
+
+
+async def test_a_tier_appears_from_its_statistics_without_new_code(
+    offloader: tuple[Offloader, KV, Copies],
+) -> None:
+    off, kv, _ = offloader
+    disk = FakeDiskStatistics(
+        manager=ManagerStatistics(num_blocks=100, used_blocks=40, lookups=9, blocks_stored=40,
+                                  blocks_evicted=2),
+        hit_blocks=5, miss_blocks=15, blocks_loaded=5, checksum_failures=1,
+        breaker_state="open", capacity_bytes=100 << 20, used_bytes=40 << 20,
+    )
+    source = TieredSource(off, disk)
+
+    def mooncake() -> ManagerStatistics:  # a tier passed by hand, as a callable
+        return ManagerStatistics(num_blocks=10, used_blocks=1, lookups=2, lookup_hits=1)
+
+    async with start_metrics_server(source, 0, tiers={"MOONCAKE": mooncake}) as server:
+        await known_workload(off, kv)
+        s = parse(await scrape(server.url))
+    d = {"medium": "DISK"}
+    assert value(s, "aiokvo_lookups_total", **d) == 9
+    assert value(s, "aiokvo_hit_blocks_total", **d) == 5  # its own field beats the manager's
+    assert value(s, "aiokvo_miss_blocks_total", **d) == 15
+    assert value(s, "aiokvo_stored_blocks_total", **d) == 40
+    assert value(s, "aiokvo_evicted_blocks_total", **d) == 2
+    assert value(s, "aiokvo_loaded_blocks_total", **d) == 5
+    assert value(s, "aiokvo_checksum_failures_total", **d) == 1
+    assert value(s, "aiokvo_pool_usage_ratio", **d) == 0.4
+    assert value(s, "aiokvo_pool_used_bytes", **d) == 40 << 20
+    assert value(s, "aiokvo_breaker_state", **d, state="open") == 1
+    assert value(s, "aiokvo_breaker_state", **d, state="closed") == 0
+    assert value(s, "aiokvo_lookups_total", medium="MOONCAKE") == 2
+    assert value(s, "aiokvo_hit_blocks_total", medium="MOONCAKE") == 1
+    assert value(s, "aiokvo_hit_blocks_total", medium="CPU") == 4  # the CPU tier is still there
+    assert ("aiokvo_checksum_failures_total", frozenset({"medium": "CPU"}.items())) not in s
+
+
+async def test_a_blocked_loop_gets_the_previous_snapshot_not_a_torn_one(
+    offloader: tuple[Offloader, KV, Copies],
+) -> None:
+    off, kv, _ = offloader
+    async with start_metrics_server(off, 0, scrape_timeout=0.2) as server:
+        await known_workload(off, kv)
+        first = parse(await scrape(server.url))
+        assert value(first, "aiokvo_metrics_stale_scrapes_total") == 0
+        ks = keys("x", "y")
+        assert (await off.store(ks, [30, 31])).ok  # not yet scraped
+        # Block the loop until a scrape from another thread has returned.
+        result: list[str] = []
+        finished = threading.Event()
+
+        def get() -> None:
+            with urllib.request.urlopen(server.url, timeout=30) as response:
+                result.append(response.read().decode())
+            finished.set()
+
+        thread = threading.Thread(target=get)
+        thread.start()
+        assert finished.wait(30)  # the loop is blocked here, on purpose
+        thread.join()
+        stale = parse(result[0])
+        assert value(stale, "aiokvo_metrics_stale_scrapes_total") == 1
+        assert value(stale, "aiokvo_stored_blocks_total", medium="CPU") == 12  # before x, y
+        fresh = parse(await scrape(server.url))
+        assert value(fresh, "aiokvo_stored_blocks_total", medium="CPU") == 14
+
+
+async def test_an_overflowing_result_tap_is_counted_and_the_counters_stay_exact(
+    offloader: tuple[Offloader, KV, Copies],
+) -> None:
+    off, kv, _ = offloader
+    # No periodic drain during the test: only the scrape drains, after 3 results.
+    metrics = OffloadMetrics(off, CollectorRegistry(), max_stream=1, stream_interval=3600)
+    await known_workload(off, kv)
+    s = parse(generate_latest(metrics.registry).decode())
+    await metrics.aclose()
+    assert value(s, "aiokvo_dropped_results_total", consumer="metrics") == 2
+    assert value(s, "aiokvo_dropped_events_total", consumer="metrics") == 2  # of 3 events
+    histogram_count = sum(
+        v for (name, _), v in s.items() if name == "aiokvo_transfer_seconds_count"
+    )
+    assert histogram_count == 1  # the one result the tap kept
+    stores = value(s, "aiokvo_transfers_total", direction="store", medium="CPU")
+    assert stores == 2  # the snapshot counters do not depend on the tap
+
+
+async def test_the_stream_task_drains_between_scrapes(
+    offloader: tuple[Offloader, KV, Copies],
+) -> None:
+    off, _, _ = offloader
+    async with OffloadMetrics(off, CollectorRegistry(), max_stream=1,
+                              stream_interval=0.001) as metrics:
+        ks = keys(*"abcdef")
+        for i, k in enumerate(ks):  # one result and one event at a time
+            assert (await off.store([k], [i])).ok
+            while (now := metrics.statistics()).queued_results or now.queued_events:
+                await asyncio.sleep(0.001)  # until the drain task has emptied both
+        stats = metrics.statistics()
+        assert (stats.results, stats.events, stats.scrapes) == (6, 6, 0)
+        assert stats.dropped_results == stats.dropped_events == 0
+        s = parse(generate_latest(metrics.registry).decode())
+    assert metrics.statistics().closed
+    assert value(s, "aiokvo_event_blocks_total", medium="CPU", event="stored") == 6
+    assert value(s, "aiokvo_transfer_seconds_count", direction="store", medium="CPU") == 6
+
+
+async def test_a_metrics_server_serves_an_existing_collector_and_leaves_it_open(
+    offloader: tuple[Offloader, KV, Copies],
+) -> None:
+    off, kv, _ = offloader
+    async with OffloadMetrics(off, CollectorRegistry()) as metrics:
+        server = start_metrics_server(metrics, 0, addr="127.0.0.1")
+        assert repr(server).startswith("<MetricsServer serving http://127.0.0.1:")
+        await known_workload(off, kv)
+        s = parse(await scrape(server.url))
+        assert value(s, "aiokvo_hit_blocks_total", medium="CPU") == 4
+        await asyncio.to_thread(server.close)  # sync close, off the loop
+        server.close()  # idempotent
+        assert not metrics.closed
+        with pytest.raises(OSError):
+            await scrape(server.url)
+
+
+async def test_a_port_in_use_raises_and_leaves_nothing_registered(
+    offloader: tuple[Offloader, KV, Copies],
+) -> None:
+    off, _, _ = offloader
+    registry = CollectorRegistry()
+    async with start_metrics_server(off, 0) as first:
+        with pytest.raises(OSError):
+            start_metrics_server(off, first.port, registry=registry)
+    OffloadMetrics(off, registry).close()  # nothing was left registered there
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"labels": {"medium": "x"}}, "use already"),
+        ({"labels": {"1bad": "x"}}, "not a valid Prometheus label"),
+        ({"labels": {"rank": 1}}, "str value"),
+        ({"seconds_buckets": (1.0, 0.5)}, "strictly increasing"),
+        ({"bytes_buckets": ()}, "not empty"),
+        ({"stream_interval": 0}, "stream_interval"),
+        ({"scrape_timeout": "1"}, "scrape_timeout"),
+        ({"max_stream": 0}, "max_stream"),
+        ({"tiers": {"DISK": 3}}, "tiers\\['DISK'\\]"),
+        ({"medium": ""}, "medium"),
+        ({"publisher": object()}, "publisher"),
+    ],
+)
+async def test_bad_options_raise_config_errors_naming_them(
+    offloader: tuple[Offloader, KV, Copies], kwargs: dict[str, Any], match: str
+) -> None:
+    off, _, _ = offloader
+    registry = CollectorRegistry()
+    with pytest.raises(ConfigError, match=match):
+        OffloadMetrics(off, registry, **kwargs)
+    OffloadMetrics(off, registry).close()  # nothing was registered by the failed one
+
+
+async def test_bad_sources_and_ports_raise_config_errors() -> None:
+    with pytest.raises(ConfigError, match="statistics"):
+        OffloadMetrics(object(), CollectorRegistry())
+    with pytest.raises(ConfigError, match="port"):
+        start_metrics_server(object(), 70000)
+    with pytest.raises(ConfigError, match="addr"):
+        start_metrics_server(object(), 0, addr="")
