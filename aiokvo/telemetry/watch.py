@@ -356,19 +356,14 @@ async def watch(
     try:
         if event_feed is not None:
             await event_feed.start()
-        previous: Totals | None = None
+        previous = await _sample(feeds)  # the first interval's rates start here
         with view:
             while True:
                 await asyncio.sleep(interval if duration is None else
                                     max(0.0, min(interval, start + duration - clock())))
-                samples, notes = [], []
-                for feed in feeds:
-                    try:
-                        samples.append(await feed.totals())
-                    except (OSError, ValueError) as exc:  # the process went away: keep trying
-                        notes.append(f"{getattr(feed, 'url', '')}: {exc}")
-                if samples:
-                    totals = merge_totals(*samples)
+                notes: list[str] = []
+                totals = await _sample(feeds, notes)
+                if totals is not None:
                     view.draw(clock() - start, rates(previous, totals), notes)
                     previous = totals
                 elif notes:
@@ -378,6 +373,20 @@ async def watch(
     finally:
         for feed in feeds:
             await feed.aclose()
+
+
+async def _sample(
+    feeds: Sequence[MetricsFeed | EventFeed], notes: list[str] | None = None
+) -> Totals | None:
+    """Every feed's totals merged (None if none answered); failures go to ``notes``."""
+    samples = []
+    for feed in feeds:
+        try:
+            samples.append(await feed.totals())
+        except (OSError, ValueError) as exc:  # the process went away: keep trying
+            if notes is not None:
+                notes.append(f"{getattr(feed, 'url', '')}: {exc}")
+    return merge_totals(*samples) if samples else None
 
 
 def _view(out: TextIO, plain: bool, title: str) -> _PlainView | _RichView:

@@ -25,14 +25,20 @@ def _load(name: str) -> ModuleType:
     return module
 
 
-def test_telemetry_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+def test_telemetry_example_serves_metrics_that_match_statistics(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     module = _load("telemetry")
-    assert module.main(["--seconds", "1.2", "--pool-blocks", "16"]) == 0
+    assert module.main(["--seconds", "2.2", "--pool-blocks", "16"]) == 0
     out = capsys.readouterr().out
-    assert out.count("hit ") >= 2  # at least one per-second line and the final one
+    assert "metrics at http://127.0.0.1:" in out
+    per_second = [line for line in out.splitlines() if line.startswith("CPU ")]
+    assert len(per_second) >= 2  # one line a second, from the package's aggregation
+    assert all("pool 16/16 blocks (100.0%)" in line for line in per_second)  # kept full
     final = out.split("final:")[1]
     assert int(final.split("stored")[1].split()[0]) > 0
     assert int(final.split("evicted")[1].split()[0]) > 0
+    assert "scraped metrics match statistics()" in out  # the HTTP scrape, read back
 
 
 # -- the demo (make demo) ------------------------------------------------------------

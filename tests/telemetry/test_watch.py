@@ -52,8 +52,7 @@ async def test_watch_scrapes_a_metrics_endpoint_and_prints_plain_lines_when_pipe
         assert "(total 66.7%)" in line  # 4 of 6 blocks hit
         assert "pool 8/8 blocks (100.0%)" in line
         assert "stored 12  evicted 4" in line
-    assert "hit  66.7%" in lines[0]  # the first interval counts from zero
-    assert "hit      -" in lines[-1]  # later ones saw no lookups
+        assert "hit      -" in line  # no lookups while it watched
 
 
 async def test_watch_redraws_a_table_on_a_terminal(
