@@ -258,6 +258,15 @@ def test_many_keys_in_mixed_groups_publish_the_same_hashes_as_few(count: int) ->
                        for g in got}
 
 
+@pytest.mark.parametrize("groups", [[5] * 16, [5] * 15 + [6], [6] + [5] * 15, [1 << 24] * 9])
+def test_the_one_group_check_tells_every_group_apart(groups: list[int]) -> None:
+    # Many keys of one group make one event; one key in another group splits it.
+    keys = [key(i, group=g) for i, g in enumerate(groups)]
+    batch = decode(EventTranslator(), OffloadingEvent(keys, "CPU", True))
+    got = {e.group_idx: len(e.block_hashes) for e in batch.events}
+    assert got == {g: groups.count(g) for g in dict.fromkeys(groups)}
+
+
 def test_keys_of_mixed_or_short_lengths_still_publish_their_hashes() -> None:
     short = [make_offload_key(bytes([i, 1, 2]), 0) for i in range(9)]  # 3-byte hashes
     mixed = [make_offload_key(bytes([i]) * (8 + i), 0) for i in range(9)]
