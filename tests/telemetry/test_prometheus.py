@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import http.server
 import threading
 import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest, push_to_gateway
 from prometheus_client.parser import text_string_to_metric_families
 
 from aiokvo import Offloader
@@ -332,3 +333,38 @@ async def test_bad_sources_and_ports_raise_config_errors() -> None:
         start_metrics_server(object(), 70000)
     with pytest.raises(ConfigError, match="addr"):
         start_metrics_server(object(), 0, addr="")
+
+
+async def test_a_pushgateway_push_carries_the_metrics(
+    offloader: tuple[Offloader, KV, Copies],
+) -> None:
+    """The registry is an ordinary one, so prometheus-client's push works (batch jobs)."""
+    pushed: list[tuple[str, str]] = []
+
+    class Gateway(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            pushed.append((self.path, body.decode()))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            return
+
+    gateway = http.server.HTTPServer(("127.0.0.1", 0), Gateway)
+    thread = threading.Thread(target=gateway.serve_forever)
+    thread.start()
+    off, kv, _ = offloader
+    try:
+        async with OffloadMetrics(off, CollectorRegistry()) as metrics:
+            await known_workload(off, kv)
+            address = f"127.0.0.1:{gateway.server_address[1]}"
+            await asyncio.to_thread(push_to_gateway, address, job="replay",
+                                    registry=metrics.registry)
+    finally:
+        gateway.shutdown()
+        gateway.server_close()
+        thread.join()
+    ((path, body),) = pushed
+    assert path == "/metrics/job/replay"
+    assert value(parse(body), "aiokvo_evicted_blocks_total", medium="CPU") == 4
