@@ -114,6 +114,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("counter", "aiokvo_refused_stores_total", "Stores that found no room at all.", _M),
     MetricSpec("counter", "aiokvo_checksum_failures_total",
                "Blocks read back wrong (dropped and served as misses).", _M),
+    MetricSpec("counter", "aiokvo_timeouts_total", "Transfers past their deadline.", _M),
+    MetricSpec("counter", "aiokvo_breaker_trips_total", "Times the breaker opened.", _M),
     MetricSpec("gauge", "aiokvo_breaker_state",
                "The tier's circuit breaker: 1 for its current state.", ("medium", "state")),
     MetricSpec("gauge", "aiokvo_pool_capacity_blocks", "Blocks the tier can hold.", _M),
@@ -628,6 +630,8 @@ def _tier(out: _Builder, medium: str, t: TierTotals) -> None:
     out.add("aiokvo_failed_blocks_total", t.load_failed_blocks, medium, "load")
     out.add("aiokvo_refused_stores_total", t.stores_refused, medium)
     out.add("aiokvo_checksum_failures_total", t.checksum_failures, medium)
+    out.add("aiokvo_timeouts_total", t.timeouts, medium)
+    out.add("aiokvo_breaker_trips_total", t.breaker_trips, medium)
     if t.breaker_state is not None:
         states = dict.fromkeys((*_BREAKER_STATES, t.breaker_state))
         for state in states:
@@ -795,6 +799,8 @@ _TIER_SAMPLES: Mapping[str, str] = {
     "aiokvo_evicted_blocks_total": "evicted_blocks",
     "aiokvo_refused_stores_total": "stores_refused",
     "aiokvo_checksum_failures_total": "checksum_failures",
+    "aiokvo_timeouts_total": "timeouts",
+    "aiokvo_breaker_trips_total": "breaker_trips",
     "aiokvo_pool_capacity_blocks": "num_blocks",
     "aiokvo_pool_used_blocks": "used_blocks",
     "aiokvo_pool_pinned_blocks": "pinned_blocks",

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Literal
 
@@ -78,8 +78,9 @@ class TierTotals:
     ``evicted_blocks`` since start; ``store_failed_blocks`` /
     ``load_failed_blocks`` blocks whose copy failed; ``stores_refused`` stores
     that found no room; ``checksum_failures`` blocks read back wrong (dropped,
-    served as misses); ``breaker_state`` the tier's circuit breaker
-    (``"closed"``, ``"open"``, ...). Occupancy: ``num_blocks`` capacity,
+    served as misses); ``timeouts`` transfers past their deadline;
+    ``breaker_state`` the tier's circuit breaker (``"closed"``, ``"open"``,
+    ``"half_open"``) and ``breaker_trips`` times it opened. Occupancy: ``num_blocks`` capacity,
     ``used_blocks``, ``pinned_blocks``, ``writing_blocks``, and the same in
     bytes where known (``capacity_bytes``, ``used_bytes``).
     """
@@ -95,7 +96,9 @@ class TierTotals:
     load_failed_blocks: int | None = None
     stores_refused: int | None = None
     checksum_failures: int | None = None
+    timeouts: int | None = None
     breaker_state: str | None = None
+    breaker_trips: int | None = None
     num_blocks: int | None = None
     used_blocks: int | None = None
     pinned_blocks: int | None = None
@@ -122,14 +125,16 @@ TIER_FIELDS: Mapping[str, tuple[str, ...]] = {
     "lookups": ("lookups",),
     "hit_blocks": ("hit_blocks", "lookup_hits", "hits"),
     "miss_blocks": ("miss_blocks", "misses"),
-    "stored_blocks": ("blocks_stored", "stored_blocks"),
-    "loaded_blocks": ("blocks_loaded", "loaded_blocks"),
+    "stored_blocks": ("blocks_stored", "stored_blocks", "blocks_written"),
+    "loaded_blocks": ("blocks_loaded", "loaded_blocks", "blocks_read"),
     "evicted_blocks": ("blocks_evicted", "evicted_blocks", "evictions"),
-    "store_failed_blocks": ("blocks_store_failed", "store_failed_blocks"),
-    "load_failed_blocks": ("blocks_load_failed", "load_failed_blocks"),
+    "store_failed_blocks": ("blocks_store_failed", "store_failed_blocks", "write_failures"),
+    "load_failed_blocks": ("blocks_load_failed", "load_failed_blocks", "read_failures"),
     "stores_refused": ("stores_refused",),
     "checksum_failures": ("checksum_failures",),
+    "timeouts": ("timeouts",),
     "breaker_state": ("breaker_state", "breaker"),
+    "breaker_trips": ("breaker_trips",),
     "num_blocks": ("num_blocks", "capacity_blocks"),
     "used_blocks": ("used_blocks",),
     "pinned_blocks": ("pinned_blocks",),
@@ -146,8 +151,9 @@ def tier_totals(medium: str, snapshot: object) -> TierTotals:
 
     A nested ``manager`` snapshot is read first, then the object's own
     fields (:data:`TIER_FIELDS`) override it. Counters must be ints, the
-    breaker state a string, an enum (its value) or a bool (``breaker_open``
-    style: True is ``"open"``); anything else is ignored.
+    breaker state a string, an enum (its value), a bool (``breaker_open``
+    style: True is ``"open"``) or a breaker snapshot with ``state`` (and
+    ``trips``); anything else is ignored.
     """
     values: dict[str, Any] = {}
     nested = getattr(snapshot, "manager", None)
@@ -167,6 +173,11 @@ def tier_totals(medium: str, snapshot: object) -> TierTotals:
         is_open = getattr(snapshot, "breaker_open", None)
         if isinstance(is_open, bool):
             values["breaker_state"] = "open" if is_open else "closed"
+    breaker = getattr(snapshot, "breaker", None)
+    if "breaker_trips" not in values and breaker is not None:
+        trips = _count(getattr(breaker, "trips", None))
+        if trips is not None:
+            values["breaker_trips"] = trips
     return TierTotals(medium=str(getattr(snapshot, "medium", medium) or medium), **values)
 
 
@@ -267,6 +278,8 @@ def totals_from_statistics(
         found.setdefault(name, tier_totals(name, snapshot))
     for name, snapshot in (tiers or {}).items():
         found[name] = tier_totals(name, snapshot)
+    if isinstance(stats, OffloaderStatistics):
+        _split_hits(stats, medium, found)
     return Totals(at=time.monotonic() if at is None else at, tiers=found, transfers=transfers)
 
 
@@ -300,6 +313,26 @@ def _pool_tier(
         capacity_bytes=None if block_bytes is None else manager.num_blocks * block_bytes,
         used_bytes=None if block_bytes is None else manager.used_blocks * block_bytes,
     )
+
+
+def _split_hits(stats: OffloaderStatistics, medium: str, found: dict[str, TierTotals]) -> None:
+    """Per-tier hits and misses from ``hits_by_medium``, when the snapshot has it.
+
+    A load asks the pool, then each tier below in turn (``tiers`` is top
+    first) for what the ones above lacked: tier ``k`` was asked for every
+    block the tiers above did not hit, and missed what it did not hit itself.
+    """
+    by_medium = getattr(stats, "hits_by_medium", None)
+    if not isinstance(by_medium, Mapping) or not by_medium:
+        return
+    order = [medium, *(name for name, _ in _carried_tiers(stats) if name != medium)]
+    asked = stats.hit_blocks + stats.miss_blocks
+    for name in order:
+        hits = by_medium.get(name, 0)
+        if not isinstance(hits, int) or name not in found:
+            continue
+        found[name] = replace(found[name], hit_blocks=hits, miss_blocks=max(asked - hits, 0))
+        asked -= hits
 
 
 def _carried_tiers(stats: object) -> list[tuple[str, object]]:
@@ -382,6 +415,8 @@ def format_lines(tier_rates: Mapping[str, TierRates]) -> list[str]:
             parts.append(f"({r.evictions_per_s:.0f}/s)")
         if t.checksum_failures:
             parts.append(f"checksum failures {t.checksum_failures}")
+        if t.timeouts:
+            parts.append(f"timeouts {t.timeouts}")
         if t.breaker_state is not None and t.breaker_state != "closed":
             parts.append(f"breaker {t.breaker_state}")
         lines.append("  ".join(parts))
@@ -424,6 +459,8 @@ def _breaker(value: object) -> str | None:
         value = value.value if isinstance(value.value, str) else value.name.lower()
     if isinstance(value, bool):
         return "open" if value else "closed"
+    if not isinstance(value, str) and hasattr(value, "state"):  # a breaker's snapshot
+        return _breaker(value.state)
     return value if isinstance(value, str) else None
 
 

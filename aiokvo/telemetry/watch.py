@@ -300,6 +300,8 @@ class _RichView:
             extra = []
             if t.checksum_failures:
                 extra.append(f"checksum failures {t.checksum_failures}")
+            if t.timeouts:
+                extra.append(f"timeouts {t.timeouts}")
             if t.breaker_state not in (None, "closed"):
                 extra.append(f"breaker {t.breaker_state}")
             table.add_row(

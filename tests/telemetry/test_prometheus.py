@@ -203,6 +203,85 @@ async def test_a_tier_appears_from_its_statistics_without_new_code(
     assert ("aiokvo_checksum_failures_total", frozenset({"medium": "CPU"}.items())) not in s
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Breaker:
+    state: str = "closed"
+    trips: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CascadeStatistics(OffloaderStatistics):
+    """An Offloader snapshot with tiers below the pool, top first, and hits split by medium."""
+
+    hits_by_medium: dict[str, int] = dataclasses.field(default_factory=dict)
+    tiers: tuple[Any, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TierSnapshot:
+    """A tier's snapshot in the other common shape: counters named by reads and writes."""
+
+    medium: str
+    capacity_blocks: int
+    used_blocks: int
+    lookups: int
+    lookup_hits: int
+    blocks_read: int
+    blocks_written: int
+    read_failures: int
+    write_failures: int
+    evictions: int
+    checksum_failures: int
+    timeouts: int
+    breaker: Breaker
+
+
+class CascadeSource:
+    def __init__(self, off: Offloader, hits: dict[str, int], *tiers: TierSnapshot) -> None:
+        self._off, self._hits, self._tiers = off, hits, tiers
+        self.worker = off.worker
+        self.subscribe = off.subscribe
+
+    def statistics(self) -> CascadeStatistics:
+        base = self._off.statistics()
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+        return CascadeStatistics(**fields, hits_by_medium=self._hits, tiers=self._tiers)
+
+
+async def test_tiers_below_the_pool_get_hits_and_misses_by_cascade(
+    offloader: tuple[Offloader, KV, Copies],
+) -> None:
+    off, kv, _ = offloader
+    await known_workload(off, kv)  # 6 blocks asked for: 4 hit, 2 missed
+    disk = TierSnapshot(medium="DISK", capacity_blocks=50, used_blocks=10, lookups=3,
+                        lookup_hits=2, blocks_read=1, blocks_written=10, read_failures=1,
+                        write_failures=2, evictions=3, checksum_failures=1, timeouts=2,
+                        breaker=Breaker(state="half_open", trips=4))
+    remote = dataclasses.replace(disk, medium="MOONCAKE", breaker=Breaker())
+    # Of the 4 hits, say 1 came from the disk and 1 from the remote tier.
+    source = CascadeSource(off, {"CPU": 2, "DISK": 1, "MOONCAKE": 1}, disk, remote)
+    metrics = OffloadMetrics(source, CollectorRegistry())
+    s = parse(generate_latest(metrics.registry).decode())
+    metrics.close()
+    hits = {m: value(s, "aiokvo_hit_blocks_total", medium=m) for m in ("CPU", "DISK", "MOONCAKE")}
+    misses = {m: value(s, "aiokvo_miss_blocks_total", medium=m)
+              for m in ("CPU", "DISK", "MOONCAKE")}
+    assert hits == {"CPU": 2, "DISK": 1, "MOONCAKE": 1}
+    # The pool was asked for 6 and missed 4; the disk for those 4, missing 3; then 3 -> 2.
+    assert misses == {"CPU": 4, "DISK": 3, "MOONCAKE": 2}
+    d = {"medium": "DISK"}
+    assert value(s, "aiokvo_pool_capacity_blocks", **d) == 50
+    assert value(s, "aiokvo_loaded_blocks_total", **d) == 1
+    assert value(s, "aiokvo_stored_blocks_total", **d) == 10
+    assert value(s, "aiokvo_failed_blocks_total", **d, direction="load") == 1
+    assert value(s, "aiokvo_failed_blocks_total", **d, direction="store") == 2
+    assert value(s, "aiokvo_evicted_blocks_total", **d) == 3
+    assert value(s, "aiokvo_timeouts_total", **d) == 2
+    assert value(s, "aiokvo_breaker_trips_total", **d) == 4
+    assert value(s, "aiokvo_breaker_state", **d, state="half_open") == 1
+    assert value(s, "aiokvo_breaker_state", medium="MOONCAKE", state="closed") == 1
+
+
 async def test_a_blocked_loop_gets_the_previous_snapshot_not_a_torn_one(
     offloader: tuple[Offloader, KV, Copies],
 ) -> None:
