@@ -261,8 +261,12 @@ class Offloader(AsyncResource):
                 held = positions(keys, blocks, 0, found)
                 if held:
                     self._manager.prepare_load(held, ctx)
-                promotions = await tiers.promote(keys, blocks, found, limit, ctx)
+                started = await tiers.promote(keys, blocks, found, limit, ctx, held=len(held))
                 self._check_open("load_prefix")
+                if started is None:  # past a tier's deadline: load what is held
+                    promotions = []
+                    break
+                promotions = started
             n = found
             if blocks.num_groups == 1:
                 pinned = keys[:n]
@@ -559,9 +563,11 @@ class Offloader(AsyncResource):
         self._waiters += 1
         ended = copy.ended()
         try:
-            await asyncio.wait((ended,))
+            await asyncio.wait((ended,), timeout=copy.patience)
         finally:
             self._waiters -= 1
+        if not ended.done():  # a tier promotion past its deadline: the prefix ends there
+            return min(limit, i - start)
         return limit if ended.result().success else min(limit, i - start)
 
     def _start_load(

@@ -15,9 +15,11 @@ Two workflows, each a transfer whose done-callback completes it exactly once
 * **write-through** (a store, or a store naming keys the pool holds): each
   tier's admission filter counts the offer; admitted keys that are ready in
   the CPU pool are pinned there (so a CPU eviction cannot take them while
-  they are copied) and written with one ``(CPU, tier)`` transfer. At most
-  ``max_write_blocks`` CPU blocks per tier (default half the pool) are pinned by writes at once: a
-  slow tier never starves the pool, it only writes less.
+  they are copied) and written with one ``(CPU, tier)`` transfer. Once a
+  tier's writes in flight pin ``max_write_blocks`` CPU blocks (default half
+  the pool), further keys are not written (counted): a slow tier never
+  starves the pool, it only writes less. A store's keys always go when none
+  are in flight.
 
 The reuse filter (``store_threshold``) does not apply to promotions: a tier
 hit is a reuse. All of this runs on the loop's thread.
@@ -112,6 +114,7 @@ class TierDriver:
             t: getattr(t, "max_write_blocks", 0) or max(1, pool_blocks // 2) for t in tiers
         }
         self._pinned_by_writes = dict.fromkeys(self.tiers, 0)
+        self._pool_blocks = pool_blocks
         self._opening: asyncio.Future[None] | None = None
         self.opened = False
         self._ctx = ReqContext()
@@ -146,15 +149,25 @@ class TierDriver:
 
     # ---------------------------------------------------------- promotion
     async def promote(
-        self, keys: list[OffloadKey], blocks: GpuBlocks, lo: int, hi: int, ctx: ReqContext
-    ) -> list[Promotion]:
+        self,
+        keys: list[OffloadKey],
+        blocks: GpuBlocks,
+        lo: int,
+        hi: int,
+        ctx: ReqContext,
+        *,
+        held: int = 0,
+    ) -> list[Promotion] | None:
         """Read the tiers' blocks at positions ``[lo, hi)`` into the CPU pool, and wait.
 
-        Each tier continues where the one above stopped. Returns the
-        promotions started; they may still be running if a tier's deadline
-        passed (they complete themselves later).
+        Each tier continues where the one above stopped; no more keys are
+        promoted than the pool can hold next to the ``held`` keys the load
+        pinned (a prefix loads whole or not at all). Returns the promotions
+        started; they may still be running if a tier's deadline passed (they
+        complete themselves later).
         """
         started: list[Promotion] = []
+        room = self._pool_blocks - held
         cursor = lo
         for tier in self.tiers:
             if cursor >= hi:
@@ -165,9 +178,13 @@ class TierDriver:
                 found = n if found is None else min(found, n)
                 if not found:
                     break
+            while found and len(positions(keys, blocks, cursor, cursor + found)) > room:
+                found -= 1
             if not found:
                 continue
-            promotion = self._start(tier, positions(keys, blocks, cursor, cursor + found), ctx)
+            wanted = positions(keys, blocks, cursor, cursor + found)
+            room -= len(wanted)
+            promotion = self._start(tier, wanted, ctx)
             if promotion is not None:
                 started.append(promotion)
             cursor += found
@@ -175,6 +192,8 @@ class TierDriver:
             timeout = max(p.tier.io_timeout for p in started)
             _, pending = await asyncio.wait([p.copy.ended() for p in started], timeout=timeout)
             self.promotion_timeouts += len(pending)
+            if pending:
+                return None  # the load goes on with what it holds
         return started
 
     def _start(self, tier: Tier, keys: list[OffloadKey], ctx: ReqContext) -> Promotion | None:
@@ -198,6 +217,7 @@ class TierDriver:
             owner._report(f"{tier.medium} promotion", exc)
             return None
         copy = owner._track(task)
+        copy.patience = tier.io_timeout  # a load waiting for it gives up at the deadline
         owner._writing.update(dict.fromkeys(reserved, copy))
         promotion = Promotion(tier, reserved, copy)
         task.add_done_callback(partial(self._promotion_done, promotion, load))
@@ -263,8 +283,9 @@ class TierDriver:
 
     def write(self, tier: Tier, keys: list[OffloadKey]) -> None:
         """Pin ``keys`` (ready in the CPU pool) and write them to ``tier``."""
-        room = self._limit[tier] - self._pinned_by_writes[tier]
-        if len(keys) > room:
+        pinned = self._pinned_by_writes[tier]
+        room = self._limit[tier] - pinned
+        if pinned and len(keys) > room:  # with none in flight, a whole store goes
             self.writes_skipped += len(keys) - max(room, 0)
             keys = keys[: max(room, 0)]
             if not keys:
