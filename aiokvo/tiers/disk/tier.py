@@ -27,7 +27,7 @@ from typing import Any
 from aiokvo.errors import ConfigError
 from aiokvo.handlers.routes import HandlerRoute
 from aiokvo.keys import OffloadKey
-from aiokvo.memory.ownership import check_directory, private_directory
+from aiokvo.memory.ownership import OwnerIdentity, check_directory, private_directory
 from aiokvo.specs import CPULoadStoreSpec, TransferResult
 from aiokvo.tiers.base import Tier, TierBinding, TierLoad, TierStatistics, TierStore
 from aiokvo.tiers.breaker import CircuitBreaker
@@ -261,6 +261,7 @@ class DiskTier(Tier):
             want is None
         ) else want  # fmt: skip
         directory.direct = self._direct
+        await loop.run_in_executor(None, _remove_dead_probes, directory.path)
         opened = await loop.run_in_executor(None, directory.open_writer)
         files = opened.files
         self._slabs[files.number] = files
@@ -468,6 +469,21 @@ class DiskTier(Tier):
     def __repr__(self) -> str:
         where = self._path or self.config.root
         return f"<DiskTier {where} capacity_bytes={self.config.capacity_bytes}>"
+
+
+def _remove_dead_probes(directory: Path) -> None:
+    """Remove O_DIRECT probe files whose process is gone (killed mid-probe)."""
+    for name in os.listdir(directory):
+        if not name.startswith(".probe-"):
+            continue
+        try:
+            pid = int(name.split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        owner = OwnerIdentity.of_process(pid)
+        if pid != os.getpid() and (owner is None or not owner.is_alive()):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(directory / name)
 
 
 def partial_clear(

@@ -15,7 +15,7 @@ from aiokvo.errors import ConfigError, UnsafeFileError
 from aiokvo.events import EventSubscription
 from aiokvo.tiers import DiskTier, DiskTierConfig
 from aiokvo.tiers.disk.format import ENTRY_BYTES, HEADER_PAGE
-from tests.tiers.disk._util import KV, FaultyIO, data_file, disk_tier, fill, keys, offloader
+from tests.tiers.disk._util import KV, FaultyIO, data_file, fill, keys, offloader
 
 
 def drain_events(sub: EventSubscription) -> list[OffloadingEvent]:
