@@ -47,7 +47,8 @@ def test_breaker_backoff_is_capped() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"failure_threshold": 0}, {"reset_after": 0}, {"reset_after": 5, "max_reset_after": 1}]
+    "kwargs",
+    [{"failure_threshold": 0}, {"reset_after": 0}, {"reset_after": 5, "max_reset_after": 1}],
 )
 def test_breaker_bad_settings(kwargs: dict) -> None:
     with pytest.raises(ConfigError):
