@@ -341,12 +341,13 @@ async def run(args: argparse.Namespace, disk_dir: str | None, **handler_options:
 
     tiers = []
     if disk_dir is not None:
-        tiers.append(
-            DiskTier(
-                disk_dir, capacity_bytes=args.disk_blocks * block_bytes + (1 << 20),
-                model_id="aiokvo-quickstart", admit_after=args.admit_after,
-            )  # fmt: skip
+        disk = DiskTier(
+            disk_dir,
+            capacity_bytes=args.disk_blocks * block_bytes + (1 << 20),
+            model_id="aiokvo-quickstart",
+            admit_after=args.admit_after,
         )
+        tiers.append(disk)
         print(f"  disk tier: {args.disk_blocks} blocks in {disk_dir}")
     kv_bytes = KVBytes(kv, args.seed)
     started = time.perf_counter()
