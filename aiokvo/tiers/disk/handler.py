@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 import numpy as np
@@ -53,6 +54,11 @@ from aiokvo.tiers.fingerprint import LayoutFingerprint
 __all__ = ["DiskTierHandler"]
 
 SlabLookup = Callable[[int], "SlabFiles | None"]
+
+OVERLAP_MIN_BYTES = 64 << 10
+"""Blocks at least this big are checksummed on a helper thread while the next
+block's I/O runs (both release the GIL); smaller ones inline, where handing
+over would cost more than it saves."""
 Overdue = Callable[[DiskLoadStoreSpec], None]
 
 
@@ -103,6 +109,7 @@ class DiskTierHandler(SingleDirectionHandler):
         self._payload = [fingerprint.payload_bytes(g) for g in range(len(fingerprint.group_refs))]
         # O_DIRECT needs every buffer's address and length aligned: decided once.
         self.aligned = all(_page_aligned(t) for t in cpu_tensors)
+        self._helper: ThreadPoolExecutor | None = None
         self._owns_dispatcher = dispatcher is None
         name = "aiokvo-disk-write" if to_disk else "aiokvo-disk-read"
         self._dispatch = dispatcher or DispatchThread(name)
@@ -199,6 +206,7 @@ class DiskTierHandler(SingleDirectionHandler):
                 report.fail(i, BlockStatus.IO_ERROR, exc)
             raise
         written: list[int] = []
+        sums: dict[int, int | Future[int]] = {}
         for i, (key, row, slab, where) in enumerate(
             zip(disk.keys, rows, files, disk.locations, strict=True)
         ):
@@ -206,13 +214,15 @@ class DiskTierHandler(SingleDirectionHandler):
                 _time_out(report, i, "write", self.io_timeout)
                 break
             buffers = self._buffers(key, row)
+            sums[i] = self._sum(buffers, self.payload_bytes(key))  # overlaps the write
             try:
-                report.checksums[i] = _checksum(buffers)
                 write_all(io, self._fd(slab), buffers, where.slot * slot_bytes)
             except OSError as exc:
                 report.fail(i, BlockStatus.IO_ERROR, exc)
                 break
             written.append(i)
+        for i, pending in sums.items():
+            report.checksums[i] = pending if isinstance(pending, int) else pending.result()
         try:
             if commit and written:
                 for slab in slabs:
@@ -241,11 +251,15 @@ class DiskTierHandler(SingleDirectionHandler):
     ) -> tuple[()]:
         """On the read thread: read each block into its pool rows and verify it."""
         io, report, slot_bytes = self._io, disk.report, self.slot_bytes
-        for i, (key, row, slab, where) in enumerate(
-            zip(disk.keys, rows, files, disk.locations, strict=True)
-        ):
+        sums: list[tuple[int, list[np.ndarray], int | Future[int]]] = []
+        locations = disk.locations
+        # In file order: sequential on the device, whatever order the slots were handed out.
+        order = sorted(range(len(rows)), key=lambda j: (locations[j].slab, locations[j].slot))
+        for i in order:
+            key, row, slab, where = disk.keys[i], rows[i], files[i], locations[i]
             if time.monotonic() > deadline:
-                _time_out(report, i, "read", self.io_timeout)
+                for j in order[order.index(i) :]:
+                    _time_out(report, j, "read", self.io_timeout, only=True)
                 break
             buffers = self._buffers(key, row)
             try:
@@ -256,7 +270,10 @@ class DiskTierHandler(SingleDirectionHandler):
             except OSError as exc:
                 report.fail(i, BlockStatus.IO_ERROR, exc)
                 continue
-            found = _checksum(buffers)
+            sums.append((i, buffers, self._sum(buffers, self.payload_bytes(key))))
+        for i, _, pending in sums:  # verify every block read (its sum overlapped the next read)
+            found = pending if isinstance(pending, int) else pending.result()
+            key, slab, where = disk.keys[i], files[i], disk.locations[i]
             if found == where.checksum:
                 report.status[i] = BlockStatus.OK
                 continue
@@ -275,9 +292,20 @@ class DiskTierHandler(SingleDirectionHandler):
             raise report.error
         return ()
 
+    def _sum(self, buffers: list[np.ndarray], nbytes: int) -> int | Future[int]:
+        """The blocks' checksum: now, or (big blocks) a future from the helper thread."""
+        if nbytes < OVERLAP_MIN_BYTES:
+            return _checksum(buffers)
+        helper = self._helper
+        if helper is None:
+            helper = self._helper = ThreadPoolExecutor(1, thread_name_prefix="aiokvo-disk-sum")
+        return helper.submit(_checksum, buffers)
+
     async def _close_backend(self) -> None:
         if self._owns_dispatcher:
             self._dispatch.shutdown()
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
         self._rows = []
 
     def run_later(self, work: Callable[[], object]) -> None:
@@ -307,12 +335,13 @@ def _checksum(buffers: list[np.ndarray]) -> int:
     return checksum(buffers)
 
 
-def _time_out(report: object, i: int, what: str, timeout: float) -> None:
+def _time_out(report: object, i: int, what: str, timeout: float, *, only: bool = False) -> None:
+    """Blocks ``i`` and after (or ``i`` alone) were not started: past the deadline."""
     from aiokvo.tiers.disk.spec import BlockReport
 
     assert isinstance(report, BlockReport)
     error = TierTimeoutError(f"disk {what} passed its deadline ({timeout} s) before block {i}")
-    for j in range(i, len(report.status)):
+    for j in [i] if only else range(i, len(report.status)):
         report.fail(j, BlockStatus.TIMEOUT, error)
 
 
