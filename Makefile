@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_async.py
 	$(BIN)/python benchmarks/bench_offloader.py
 	$(BIN)/python benchmarks/bench_metrics.py
+	$(BIN)/python benchmarks/bench_tiers.py
 
 # Side by side with vLLM 0.32's manager, from the vLLM venv (not a dependency).
 bench-peer: $(STAMP) $(VLLM_STAMP)

@@ -13,12 +13,15 @@ import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiokvo._util import check_choice, check_int, check_name
 from aiokvo.errors import ConfigError
 from aiokvo.manager.policies.base import RECENCY_MODES, Recency
 from aiokvo.manager.reuse import COUNTING_MODES, Counting
+
+if TYPE_CHECKING:
+    from aiokvo.tiers.registry import TierConfig
 
 __all__ = ["EXTRA_CONFIG_KEYS", "OffloadConfig", "UnknownConfigKeyWarning"]
 
@@ -33,6 +36,7 @@ EXTRA_CONFIG_KEYS: frozenset[str] = frozenset(
         "store_counting",
         "spec_name",
         "spec_module_path",
+        "tiers",
     }
 )
 """The ``kv_connector_extra_config`` keys :meth:`OffloadConfig.from_dict` reads."""
@@ -57,7 +61,9 @@ class OffloadConfig:
     ``rank``; without it every rank has a private pool. ``recency`` and
     ``store_counting`` pick the seed's rules (the defaults, ``"touch"`` and
     ``"lookups"``) or vLLM 0.32's (``"request"`` and ``"offers"``); see
-    docs/manager.md.
+    docs/manager.md. ``tiers`` are the settings of the tiers below the CPU
+    pool, top first (e.g. a :class:`~aiokvo.tiers.DiskTierConfig`); the
+    Offloader builds them when it is not handed tier objects.
     """
 
     gpu_block_sizes: tuple[int, ...]
@@ -76,6 +82,7 @@ class OffloadConfig:
     instance_id: str | None = None
     spec_name: str = "CPUOffloadingSpec"
     spec_module_path: str | None = None
+    tiers: tuple[TierConfig, ...] = ()
 
     def __post_init__(self) -> None:
         sizes: object = self.gpu_block_sizes  # callers may pass a list
@@ -116,6 +123,17 @@ class OffloadConfig:
         _check_str("spec_name", self.spec_name)
         if self.spec_module_path is not None:
             _check_str("spec_module_path", self.spec_module_path)
+        tiers: object = self.tiers
+        if isinstance(tiers, str | bytes) or not isinstance(tiers, Sequence):
+            raise ConfigError(f"tiers must be a sequence of tier configs, got {tiers!r}")
+        for tier in tiers:
+            if not (isinstance(getattr(tier, "kind", None), str) and callable(
+                getattr(tier, "build", None)
+            )):  # fmt: skip
+                raise ConfigError(
+                    f"tiers entries must be tier configs (e.g. DiskTierConfig), got {tier!r}"
+                )
+        object.__setattr__(self, "tiers", tuple(tiers))
 
     def _int_field(self, name: str, *, minimum: int) -> None:
         """Check an int field and store it as a plain int (a numpy int becomes one)."""
@@ -173,6 +191,8 @@ class OffloadConfig:
         numeric strings (``"8589934592"``), as vLLM's ``int(...)`` accepts.
         ``world_size``, ``rank`` and ``instance_id`` come from the engine (vLLM's
         parallel config and engine id), like the KV facts.
+        ``"tiers"`` is a list of mappings, each with a ``"kind"`` (``"disk"``:
+        the keywords of :class:`~aiokvo.tiers.DiskTierConfig`).
         Keys outside :data:`EXTRA_CONFIG_KEYS` are ignored, as vLLM does, but
         reported with :class:`UnknownConfigKeyWarning`; with ``strict=True``
         they raise :class:`~aiokvo.errors.ConfigError` instead.
@@ -190,6 +210,12 @@ class OffloadConfig:
             raise ConfigError("cpu_bytes_to_use must be specified in kv_connector_extra_config")
         block_size = extra.get("block_size")
         spec_module_path = extra.get("spec_module_path")
+        tiers = extra.get("tiers", ())
+        if isinstance(tiers, str | bytes | Mapping) or not isinstance(tiers, Sequence):
+            raise ConfigError(f"tiers must be a list of tier settings, got {tiers!r}")
+        from aiokvo.tiers.registry import tier_config_from_dict  # only when asked
+
+        tier_configs = tuple(tier_config_from_dict(t) for t in tiers)
         return cls(
             gpu_block_sizes=tuple(gpu_block_sizes),
             hash_block_size=hash_block_size,
@@ -213,6 +239,7 @@ class OffloadConfig:
                 if spec_module_path is None
                 else _parse_str("spec_module_path", spec_module_path)
             ),
+            tiers=tier_configs,
         )
 
 

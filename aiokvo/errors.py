@@ -32,6 +32,9 @@ __all__ = [
     "SpecLoadError",
     "StaleReservationError",
     "SubscriptionClosed",
+    "TierChecksumError",
+    "TierError",
+    "TierTimeoutError",
     "TransferError",
     "TransferSpecError",
     "UnknownKeyError",
@@ -199,3 +202,15 @@ class SharedRegionLayoutError(SharedRegionError, ValueError):
 
 class UnsafeSharedRegionError(SharedRegionError, UnsafeFileError):
     """A shared region's file, lock or directory is unsafe (see :class:`UnsafeFileError`)."""
+
+
+class TierError(TransferError):
+    """A tier transfer (CPU pool <-> disk, ...) failed while it ran."""
+
+
+class TierChecksumError(TierError):
+    """A block read back from a tier does not match its checksum: it is a miss, never data."""
+
+
+class TierTimeoutError(TierError, TimeoutError):
+    """A tier transfer did not finish before its deadline (``io_timeout``)."""

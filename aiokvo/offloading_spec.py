@@ -21,6 +21,8 @@ from aiokvo.manager.base import OffloadingManager
 from aiokvo.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 if TYPE_CHECKING:
+    import torch
+
     from aiokvo.handlers.base import CpuGpuHandlers
     from aiokvo.handlers.routes import HandlerRoute
     from aiokvo.layout import CanonicalKVCaches
@@ -100,6 +102,12 @@ class CPUOffloadingSpec(OffloadingSpec):
     def num_blocks(self) -> int:
         """Offloaded blocks in the CPU pool."""
         return self.config.num_cpu_blocks
+
+    @property
+    def cpu_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The CPU pool's tensors, one per canonical KV tensor, once handlers are built
+        (empty before, and after closing)."""
+        return () if self._handlers is None else self._handlers.cpu_tensors
 
     @property
     def region(self) -> SharedOffloadRegion | None:

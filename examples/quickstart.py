@@ -18,6 +18,12 @@ calls to one :class:`aiokvo.Offloader`:
    ``await off.store(keys, gpu_blocks)`` offloads what the pool does not hold
    yet, evicting older blocks when the CPU pool is full.
 
+Below the CPU pool sits a disk tier (``DiskTier``, in a temporary
+directory; ``--no-disk`` turns it off): every block the pool takes is
+written through to it, so a block evicted from the pool is promoted back
+from disk by the next ``load_prefix`` that needs it, checksum-verified. The
+summary reports hits per tier.
+
 Lookups, pins, job ids, reservations and every ``complete_*`` are the
 Offloader's business, so this is safe at any concurrency. A live progress
 line is drawn from ``off.statistics()``; the run ends with a summary, and
@@ -31,6 +37,7 @@ import asyncio
 import contextlib
 import hashlib
 import sys
+import tempfile
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -49,6 +56,7 @@ from aiokvo import (
     OffloadKey,
     make_offload_key,
 )
+from aiokvo.tiers import DiskTier
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -66,6 +74,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=1200)
     p.add_argument("--concurrency", type=int, default=8, help="requests served at once")
     p.add_argument("--policy", choices=["lru", "arc"], default="lru")
+    p.add_argument(
+        "--disk", action=argparse.BooleanOptionalAction, default=True,
+        help="a disk tier below the CPU pool (in a temporary directory unless --disk-dir)",
+    )  # fmt: skip
+    p.add_argument("--disk-dir", default=None, help="directory for the disk tier")
+    p.add_argument("--disk-blocks", type=int, default=1024, help="disk tier, in blocks")
+    p.add_argument("--admit-after", type=int, default=1, help="offers before a disk write")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -248,9 +263,11 @@ def print_summary(
         return f"{n / seconds / 1e9 if seconds else 0.0:.2f} GB/s"
 
     asked = snap.hit_blocks + snap.miss_blocks
+    by_tier = ", ".join(f"{medium} {n}" for medium, n in snap.hits_by_medium.items())
     rows = [
         ("requests", f"{stats.requests} in {wall:.1f} s ({args.concurrency} in flight)"),
         ("hit rate", f"{hit_rate(snap):.1%} of {asked} blocks looked up"),
+        ("hits by tier", by_tier),
         ("blocks stored", f"{snap.blocks_stored} ({snap.blocks_skipped} already held)"),
         ("blocks loaded", f"{stats.loaded_blocks}"),
         ("blocks evicted", f"{snap.blocks_evicted}"),
@@ -266,6 +283,7 @@ def print_summary(
         ),
         ("failed transfers", f"{snap.load_transfer_failures + snap.store_transfer_failures}"),
         ("store waits", f"{snap.store_waits} (a load waited for its prefix's store)"),
+        *_tier_rows(snap),
         ("verified", f"{stats.verified}/{stats.loaded_blocks}"),
     ]
     width = max(len(name) for name, _ in rows)
@@ -273,7 +291,29 @@ def print_summary(
         print(f"  {name:<{width}}  {value}")
 
 
+def _tier_rows(snap: OffloaderStatistics) -> list[tuple[str, str]]:
+    rows = []
+    for tier in snap.tiers:
+        rows.append((
+            f"{tier.medium.lower()} tier",
+            f"{tier.blocks_written} written ({tier.bytes_written / 2**20:.0f} MiB), "
+            f"{tier.blocks_read} promoted, {tier.used_blocks}/{tier.capacity_blocks} held, "
+            f"{tier.evictions} evicted, {tier.checksum_failures} checksum failures, "
+            f"breaker {tier.breaker.state}",
+        ))  # fmt: skip
+    return rows
+
+
 async def main_async(args: argparse.Namespace, **handler_options: object) -> int:
+    if not args.disk:
+        return await run(args, None, **handler_options)
+    if args.disk_dir is not None:
+        return await run(args, args.disk_dir, **handler_options)
+    with tempfile.TemporaryDirectory(prefix="aiokvo-demo-") as root:
+        return await run(args, root, **handler_options)
+
+
+async def run(args: argparse.Namespace, disk_dir: str | None, **handler_options: object) -> int:
     # The engine's KV cache: per layer, K and V stacked in front (FlashAttention).
     shape = (2, args.gpu_blocks, args.block_tokens, args.kv_heads, args.head_dim)
     layers = {
@@ -299,9 +339,19 @@ async def main_async(args: argparse.Namespace, **handler_options: object) -> int
         f"{args.policy})   working set: {working_set} blocks, {len(requests)} requests"
     )
 
+    tiers = []
+    if disk_dir is not None:
+        disk = DiskTier(
+            disk_dir,
+            capacity_bytes=args.disk_blocks * block_bytes + (1 << 20),
+            model_id="aiokvo-quickstart",
+            admit_after=args.admit_after,
+        )
+        tiers.append(disk)
+        print(f"  disk tier: {args.disk_blocks} blocks in {disk_dir}")
     kv_bytes = KVBytes(kv, args.seed)
     started = time.perf_counter()
-    async with Offloader(config, kv, handler_options=handler_options) as off:
+    async with Offloader(config, kv, handler_options=handler_options, tiers=tiers) as off:
         scheduler = Scheduler(off, kv_bytes, GPUBlocks(args.gpu_blocks))
         progress = asyncio.create_task(show_progress(off, scheduler.stats, len(requests)))
         queue: asyncio.Queue[Request] = asyncio.Queue()

@@ -208,6 +208,12 @@ class OffloadingManager(ABC):
 
         return EventSubscription(self._sink, maxsize=maxsize, overflow=overflow)
 
+    @property
+    def sink(self) -> EventSink:
+        """Where this manager's events go. Tiers below the CPU pool publish theirs
+        here too (with their own medium), so one subscription sees every tier."""
+        return self._sink
+
     def statistics(self) -> ManagerStatistics:
         """A snapshot of the manager's counters and pool (see :class:`ManagerStatistics`).
 

@@ -307,7 +307,9 @@ def check_private(st: os.stat_result, path: Path, *, error: ErrorType = UnsafeFi
         raise error(f"{path} has {st.st_nlink} hard links; refusing a file with other names")
 
 
-def open_private(path: Path, *, how: OpenMode = "open", error: ErrorType = UnsafeFileError) -> int:
+def open_private(
+    path: Path, *, how: OpenMode = "open", error: ErrorType = UnsafeFileError, flags: int = 0
+) -> int:
     """A read-write descriptor on ``path``, never through a symbolic link, checked
     with :func:`check_private`.
 
@@ -317,19 +319,20 @@ def open_private(path: Path, *, how: OpenMode = "open", error: ErrorType = Unsaf
     ``FileNotFoundError`` if there is none; ``"either"`` creates it or opens
     the one that is there. A symbolic link, or a file that fails the check,
     raises ``error`` naming the path and what is wrong; nothing is written.
+    ``flags`` are added to the open's flags (``os.O_DIRECT`` for a disk tier).
     """
     if how == "either":
         for _ in range(100):  # only loops while another process creates and removes it
             try:
-                return open_private(path, how="create", error=error)
+                return open_private(path, how="create", error=error, flags=flags)
             except FileExistsError:
                 pass
             try:
-                return open_private(path, how="open", error=error)
+                return open_private(path, how="open", error=error, flags=flags)
             except FileNotFoundError:
                 pass
         raise error(f"{path} keeps appearing and disappearing; refusing to guess")
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags |= os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
     if how == "create":
         flags |= os.O_CREAT | os.O_EXCL
     elif how != "open":

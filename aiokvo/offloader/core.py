@@ -24,15 +24,17 @@ Results are delivered once, to the call that asked: the worker is built with
 ``max_buffered=0`` by default, so no result is buffered for a stream nobody
 reads. Everything runs on the event loop's thread; nothing here blocks.
 
-Seam for tiers (docs/offloader.md): lookups go through :meth:`_lookup`
-and finished stores through :meth:`_store_done`, which is where a tier
-would be consulted on a miss and written through after a store.
+Tiers (docs/tiers.md): with ``tiers=[...]`` (or ``config.tiers``), a load
+whose CPU prefix ends early continues into the tiers, which promote their
+blocks into the CPU pool before the prefix is loaded, and stores write
+through to the tiers behind their admission filters
+(:class:`~aiokvo.offloader.tiered.TierDriver`). Callers change nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -51,6 +53,7 @@ from aiokvo.offloader.blocks import GpuBlockIds, GpuBlocks, GpuGeometry
 from aiokvo.offloader.inflight import InFlight
 from aiokvo.offloader.lease import PrefixLease
 from aiokvo.offloader.results import OffloaderStatistics, StoreResult
+from aiokvo.offloader.tiered import Promotion, TierDriver, positions
 from aiokvo.offloading_spec import CPUOffloadingSpec, OffloadingSpec
 from aiokvo.runtime.poller import EventPoller
 from aiokvo.specs import (
@@ -60,6 +63,7 @@ from aiokvo.specs import (
     StoreReservation,
     TransferResult,
 )
+from aiokvo.tiers.base import Tier, TierBinding
 
 __all__ = ["Offloader"]
 
@@ -80,6 +84,8 @@ class Offloader(AsyncResource):
     spec's handlers (``copy_fn``, ``poller_mode``, ...). ``max_buffered`` is
     the worker's bound on results kept for ``worker.get_finished()``: 0 by
     default, because every result already reaches the call that asked.
+    ``tiers`` are the tiers below the CPU pool, top first (default: built
+    from ``config.tiers``); the Offloader binds, opens and closes them.
 
     Calls must be made on the loop's thread. See docs/offloader.md.
     """
@@ -92,10 +98,12 @@ class Offloader(AsyncResource):
         kv_layout: KVLayout = "blocks_first",
         handler_options: Mapping[str, Any] | None = None,
         max_buffered: int = 0,
+        tiers: Sequence[Tier] | None = None,
     ) -> None:
         if not isinstance(config, OffloadConfig):
             raise ConfigError(f"config must be an OffloadConfig, got {config!r}")
         max_buffered = check_int("max_buffered", max_buffered, minimum=0)
+        tier_list = _tiers(config, tiers)
         kv = (
             kv_caches
             if isinstance(kv_caches, CanonicalKVCaches)
@@ -108,11 +116,30 @@ class Offloader(AsyncResource):
                     f"handler_options need a CPUOffloadingSpec, but config names {spec!r}"
                 )
             spec.handler_options.update(handler_options)
+        if tier_list and not isinstance(spec, CPUOffloadingSpec):
+            raise ConfigError(f"tiers need a CPUOffloadingSpec, but config names {spec!r}")
         manager = spec.get_manager()
         try:
             worker = OffloadingWorker(max_buffered=max_buffered)
             for route in spec.get_handlers(kv):
                 worker.register_handler(*route)
+            driver = None
+            if tier_list:
+                assert isinstance(spec, CPUOffloadingSpec)
+                binding = TierBinding(
+                    kv, spec.cpu_tensors, config, manager.sink,
+                    None if kv is kv_caches else _dtype_of(kv_caches),
+                )  # fmt: skip
+                for tier in tier_list:
+                    for route in tier.bind(binding):
+                        worker.register_handler(*route)
+                backing = getattr(manager, "backing", None)  # promotions skip the reuse filter
+                driver = TierDriver(
+                    self,
+                    tier_list,
+                    store_manager=backing if isinstance(backing, OffloadingManager) else manager,
+                    pool_blocks=config.num_cpu_blocks,
+                )
         except BaseException:
             manager.shutdown()  # the handlers start no thread before their first copy
             raise
@@ -121,6 +148,7 @@ class Offloader(AsyncResource):
         self._spec = spec
         self._manager = manager
         self._worker = worker
+        self._tiers = driver
         self._geometry = GpuGeometry(kv, spec.block_size_factor)
         self._ctx = ReqContext()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -141,6 +169,7 @@ class Offloader(AsyncResource):
         self._load_transfers = self._load_failures = self._load_bytes = 0
         self._store_transfers = self._store_failures = self._store_bytes = 0
         self._load_seconds = self._store_seconds = 0.0
+        self._cpu_hit_blocks = 0
         self._loads_in_flight = self._stores_in_flight = 0
 
     # ----------------------------------------------------------------- parts
@@ -169,6 +198,22 @@ class Offloader(AsyncResource):
         """True once :meth:`aclose` has begun."""
         return self._closing
 
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        """The tiers below the CPU pool, top first."""
+        return () if self._tiers is None else self._tiers.tiers
+
+    async def __aenter__(self) -> Offloader:
+        """Opens the tiers (a disk tier rebuilds its index) before the first call."""
+        if self._tiers is not None:
+            await self._tiers.open()
+        return self
+
+    async def open(self) -> None:
+        """Open the tiers now (the first call, or ``async with``, does it otherwise)."""
+        if self._tiers is not None:
+            await self._tiers.open()
+
     def subscribe(
         self, *, maxsize: int = 1024, overflow: OverflowPolicy = "drop_oldest"
     ) -> EventSubscription:
@@ -196,30 +241,55 @@ class Offloader(AsyncResource):
         blocks = self._geometry.resolve(len(keys), gpu_block_ids, "load_prefix")
         ctx = self._ctx if ctx is None else ctx
         self._loads += 1
-        limit = len(keys)
-        while True:
-            found = self._lookup(keys, blocks, limit, ctx)
-            if isinstance(found, int):
-                break
-            limit = await self._wait_for_store(keys, found, limit)
+        tiers = self._tiers
+        if tiers is not None and not tiers.opened:
+            await tiers.open()
             self._check_open("load_prefix")
-        n = found
-        if blocks.num_groups == 1:
-            self._hit_blocks += n
-            self._miss_blocks += len(keys) - n
-            if not n:
-                return 0
-            pinned = keys[:n]
-            dst, _ = blocks.prefix(n)
-        else:
-            dst, indices = blocks.prefix(n)
-            assert indices is not None
-            pinned = [keys[i] for i in indices]
+        limit = len(keys)
+        held: list[OffloadKey] = []  # pinned while tiers promote the keys after them
+        promotions: list[Promotion] | None = None
+        try:
+            while True:
+                found = self._lookup(keys, blocks, limit, ctx)
+                if not isinstance(found, int):
+                    limit = await self._wait_for_store(keys, found, limit)
+                    self._check_open("load_prefix")
+                    continue
+                if tiers is None or promotions is not None or found >= limit:
+                    break
+                # Hold what the pool has (promotions must not evict it), then ask the tiers.
+                held = positions(keys, blocks, 0, found)
+                if held:
+                    self._manager.prepare_load(held, ctx)
+                started = await tiers.promote(keys, blocks, found, limit, ctx, held=len(held))
+                self._check_open("load_prefix")
+                if started is None:  # past a tier's deadline: load what is held
+                    promotions = []
+                    break
+                promotions = started
+            n = found
+            if blocks.num_groups == 1:
+                pinned = keys[:n]
+                dst, _ = blocks.prefix(n)
+            else:
+                dst, indices = blocks.prefix(n)
+                assert indices is not None
+                pinned = [keys[i] for i in indices]
             self._hit_blocks += len(pinned)
             self._miss_blocks += len(keys) - len(pinned)
             if not pinned:
                 return 0
-        src = self._manager.prepare_load(pinned, ctx)
+            src = self._manager.prepare_load(pinned, ctx)
+            if held:
+                held, released = [], held
+                self._manager.complete_load(released)  # the new pins cover them
+        except BaseException:
+            if held:
+                self._manager.complete_load(held)
+            raise
+        self._cpu_hit_blocks += (
+            len(pinned) if tiers is None else tiers.count_hits(pinned, promotions or [])
+        )
         self._manager.touch(pinned)
         result = await self._wait(self._start_load(pinned, src, dst, None))
         return n if result.success else 0
@@ -248,6 +318,7 @@ class Offloader(AsyncResource):
             self._leases.add(lease)
             self._leases_made += 1
             self._hit_blocks += n
+            self._cpu_hit_blocks += n
         return lease
 
     # ---------------------------------------------------------------- stores
@@ -270,6 +341,10 @@ class Offloader(AsyncResource):
         self._stores += 1
         if not keys:
             return StoreResult()
+        tiers = self._tiers
+        if tiers is not None and not tiers.opened:
+            await tiers.open()
+            self._check_open("store")
         out = self._manager.prepare_store(keys, ctx)
         if out is None:
             self._stores_refused += 1
@@ -279,6 +354,13 @@ class Offloader(AsyncResource):
         reserved = out.keys_to_store
         evicted = tuple(out.evicted_keys)
         self._blocks_evicted += len(evicted)
+        later: list[list[OffloadKey]] | None = None
+        if tiers is not None:
+            admitted = tiers.offer(keys)
+            taken = set(reserved)
+            tiers.write_ready(admitted, taken)  # held in the pool already: write them now
+            if reserved:
+                later = [[k for k in a if k in taken] for a in admitted]
         if not reserved:
             held = tuple(dict.fromkeys(keys))
             self._blocks_skipped += len(held)
@@ -300,7 +382,9 @@ class Offloader(AsyncResource):
         copy = self._track(task)
         self._writing.update(dict.fromkeys(reserved, copy))
         self._stores_in_flight += 1
-        task.add_done_callback(partial(self._store_done, reserved, out.reservation, copy))
+        task.add_done_callback(
+            partial(self._store_done, reserved, out.reservation, copy, later)
+        )
         skipped: tuple[OffloadKey, ...] = ()
         if tail:
             skipped = tuple(keys[:start])
@@ -358,18 +442,24 @@ class Offloader(AsyncResource):
         await asyncio.shield(self._close_task)
 
     async def _close(self) -> None:
+        # Tier writes started by the last stores are copies too: wait for them all.
         while self._copies:
             await asyncio.wait([copy.ended() for copy in self._copies.values()])
         for lease in list(self._leases):
             lease.release()
         try:
-            await self._worker.aclose()
+            await self._worker.aclose()  # the tiers' handlers too
         finally:
-            await self._spec.aclose()
+            try:
+                if self._tiers is not None:
+                    await self._tiers.aclose()
+            finally:
+                await self._spec.aclose()
 
     def statistics(self) -> OffloaderStatistics:
         """A snapshot of this Offloader and its parts (see :class:`OffloaderStatistics`)."""
         poller = None if self._loop is None else EventPoller.existing(self._loop)
+        tiers = self._tiers
         return OffloaderStatistics(
             loads=self._loads,
             leases=self._leases_made,
@@ -400,10 +490,26 @@ class Offloader(AsyncResource):
             waiters=self._waiters,
             cancelled_waits=self._cancelled_waits,
             closed=self._closing,
+            hits_by_medium=self._hits_by_medium(),
+            promotions=0 if tiers is None else tiers.promotions,
+            promoted_blocks=0 if tiers is None else tiers.promoted_blocks,
+            promotion_failures=0 if tiers is None else tiers.promotion_failures,
+            promotion_timeouts=0 if tiers is None else tiers.promotion_timeouts,
+            tier_writes=0 if tiers is None else tiers.writes,
+            tier_write_blocks=0 if tiers is None else tiers.write_blocks,
+            tier_write_failures=0 if tiers is None else tiers.write_failures,
+            tier_writes_skipped=0 if tiers is None else tiers.writes_skipped,
+            tiers=() if tiers is None else tiers.statistics(),
             manager=self._manager.statistics(),
             worker=self._worker.statistics(),
             poller=None if poller is None else poller.statistics(),
         )
+
+    def _hits_by_medium(self) -> dict[str, int]:
+        hits = {"CPU": self._cpu_hit_blocks}
+        if self._tiers is not None:
+            hits.update(self._tiers.hits)
+        return hits
 
     def __repr__(self) -> str:
         state = "closed" if self._closing else f"copies_in_flight={len(self._copies)}"
@@ -457,9 +563,11 @@ class Offloader(AsyncResource):
         self._waiters += 1
         ended = copy.ended()
         try:
-            await asyncio.wait((ended,))
+            await asyncio.wait((ended,), timeout=copy.patience)
         finally:
             self._waiters -= 1
+        if not ended.done():  # a tier promotion past its deadline: the prefix ends there
+            return min(limit, i - start)
         return limit if ended.result().success else min(limit, i - start)
 
     def _start_load(
@@ -539,6 +647,7 @@ class Offloader(AsyncResource):
         keys: list[OffloadKey],
         reservation: StoreReservation,
         copy: InFlight,
+        write_through: list[list[OffloadKey]] | None,
         task: TransferTask,
     ) -> None:
         result = task.result()
@@ -547,6 +656,15 @@ class Offloader(AsyncResource):
             self._manager.complete_store(reservation, success=result.success)
         except Exception as exc:  # a manager bug must not strand the waiters
             self._report("complete_store", exc)
+        else:
+            tiers = self._tiers
+            if write_through is not None and result.success and tiers is not None:
+                try:  # while the blocks are still known: write them through
+                    for tier, admitted in zip(tiers.tiers, write_through, strict=True):
+                        if admitted:
+                            tiers.write(tier, admitted)
+                except Exception as exc:
+                    self._report("tier write-through", exc)
         finally:
             # Nothing below can raise, so the waiters are always woken.
             writing = self._writing
@@ -569,6 +687,39 @@ class Offloader(AsyncResource):
         loop.call_exception_handler(
             {"message": f"{self!r}: manager.{call} raised", "exception": error}
         )
+
+
+def _tiers(config: OffloadConfig, tiers: Sequence[Tier] | None) -> list[Tier]:
+    """The tier objects: those given, or built from ``config.tiers`` (not both)."""
+    if tiers is None:
+        return [settings.build() for settings in config.tiers]
+    if isinstance(tiers, Tier) or not isinstance(tiers, Sequence):
+        raise ConfigError(f"tiers must be a list of Tier objects, got {tiers!r}")
+    if config.tiers:
+        raise ConfigError("pass tiers either as Tier objects or in config.tiers, not both")
+    for tier in tiers:
+        if not isinstance(tier, Tier):
+            raise ConfigError(f"tiers entries must be Tier objects, got {tier!r}")
+    return list(tiers)
+
+
+def _dtype_of(kv_caches: object) -> str | None:
+    """The engine tensors' dtype(s) as a name ("bfloat16"), for the layout fingerprint."""
+    found: dict[str, None] = {}
+
+    def walk(item: object) -> None:
+        dtype = getattr(item, "dtype", None)
+        if dtype is not None and hasattr(item, "data_ptr"):
+            found[str(dtype).removeprefix("torch.")] = None
+        elif isinstance(item, Mapping):
+            for value in item.values():
+                walk(value)
+        elif isinstance(item, list | tuple):
+            for value in item:
+                walk(value)
+
+    walk(kv_caches)
+    return ",".join(found) or None
 
 
 def _as_list(keys: Iterable[OffloadKey]) -> list[OffloadKey]:

@@ -22,11 +22,13 @@ __all__ = ["InFlight"]
 class InFlight:
     """A submitted copy: the caller's future, and one for other waiters on demand."""
 
-    __slots__ = ("_ended", "caller")
+    __slots__ = ("_ended", "caller", "patience")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.caller: asyncio.Future[TransferResult] = loop.create_future()
         self._ended: asyncio.Future[TransferResult] | None = None
+        # How long anyone but its caller waits for it (a tier's deadline; None: until it ends).
+        self.patience: float | None = None
 
     def ended(self) -> asyncio.Future[TransferResult]:
         """Resolves with the copy's result once it is completed; wait with ``asyncio.wait``."""

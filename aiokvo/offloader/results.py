@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiokvo.handlers.stats import WorkerStatistics
 from aiokvo.keys import OffloadKey
 from aiokvo.manager.stats import ManagerStatistics
 from aiokvo.runtime.poller import PollerStatistics
+from aiokvo.tiers.base import TierStatistics
 
 __all__ = ["OffloaderStatistics", "StoreResult"]
 
@@ -64,7 +65,17 @@ class OffloaderStatistics:
       ``writing_keys`` (keys those stores are writing) and ``waiters``
       (coroutines waiting in ``ready`` or for a store in ``load_prefix``);
       ``cancelled_waits`` counts calls cancelled while their copy went on;
-    * ``closed`` once ``aclose()`` began.
+    * ``closed`` once ``aclose()`` began;
+    * tiers: ``hits_by_medium`` splits ``hit_blocks`` by where the block was
+      found (``"CPU"``, and each tier's medium for blocks it promoted);
+      ``promotions`` tier-to-CPU transfers, ``promoted_blocks`` and
+      ``promotion_failures`` blocks that came back good or not,
+      ``promotion_timeouts`` promotions a load stopped waiting for (past
+      their tier's ``io_timeout``); ``tier_writes`` write-through transfers,
+      ``tier_write_blocks`` / ``tier_write_failures`` blocks written or not,
+      ``tier_writes_skipped`` blocks not written because a tier's writes in
+      flight already pinned its share of the pool; ``tiers`` each tier's
+      own snapshot, top first.
 
     ``manager``, ``worker`` (with every handler) and ``poller`` (None before
     the first copy) are the parts' own snapshots, taken at the same moment.
@@ -99,6 +110,16 @@ class OffloaderStatistics:
     waiters: int = 0
     cancelled_waits: int = 0
     closed: bool = False
+    hits_by_medium: dict[str, int] = field(default_factory=dict)
+    promotions: int = 0
+    promoted_blocks: int = 0
+    promotion_failures: int = 0
+    promotion_timeouts: int = 0
+    tier_writes: int = 0
+    tier_write_blocks: int = 0
+    tier_write_failures: int = 0
+    tier_writes_skipped: int = 0
+    tiers: tuple[TierStatistics, ...] = ()
     manager: ManagerStatistics
     worker: WorkerStatistics
     poller: PollerStatistics | None = None

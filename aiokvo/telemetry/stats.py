@@ -328,7 +328,9 @@ def _split_hits(stats: OffloaderStatistics, medium: str, found: dict[str, TierTo
     order = [medium, *(name for name, _ in _carried_tiers(stats) if name != medium)]
     asked = stats.hit_blocks + stats.miss_blocks
     for name in order:
-        hits = by_medium.get(name, 0)
+        # A tier the Offloader does not list (one passed to the exporter by hand)
+        # keeps its own counts; the Offloader lists each of its tiers, at 0 too.
+        hits = by_medium.get(name)
         if not isinstance(hits, int) or name not in found:
             continue
         found[name] = replace(found[name], hit_blocks=hits, miss_blocks=max(asked - hits, 0))

@@ -65,6 +65,25 @@ def test_quickstart_demo_verifies_every_reload(
     assert "failed transfers  0" in out
 
 
+def test_quickstart_demo_reports_hits_per_tier(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    demo = _load("quickstart")
+    root = tmp_path / "disk"
+    args = [*DEMO_ARGS, "--cpu-blocks", "32", "--concurrency", "1", "--disk-dir", str(root)]
+    assert demo.main(args) == 0
+    out = capsys.readouterr().out
+    disk_hits = int(out.split("hits by tier")[1].split("DISK")[1].split()[0])
+    assert disk_hits > 0  # blocks the small pool evicted came back from disk
+    assert "0 checksum failures, breaker closed" in out
+    loaded = int(out.split("blocks loaded")[1].split()[0])
+    assert f"verified          {loaded}/{loaded}" in out
+    assert any(root.iterdir())  # the tier's directory, left for the next run
+    assert demo.main([*args, "--no-disk"]) == 0
+    off = capsys.readouterr().out
+    assert "DISK" not in off.split("hits by tier")[1].splitlines()[0]
+
+
 def test_quickstart_demo_exits_non_zero_on_corrupt_reload(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -23,13 +23,23 @@ def allocate_cpu_pool(
     kv_caches: CanonicalKVCaches, *, block_size_factor: int, num_cpu_blocks: int
 ) -> tuple[torch.Tensor, ...]:
     """One zeroed ``(num_cpu_blocks, page_size_bytes * block_size_factor)`` int8
-    tensor per canonical KV tensor."""
+    tensor per canonical KV tensor, starting on a page boundary (so that a disk
+    tier can read and write its rows with O_DIRECT when they are whole pages)."""
     block_size_factor = check_int("block_size_factor", block_size_factor, minimum=1)
     num_cpu_blocks = check_int("num_cpu_blocks", num_cpu_blocks, minimum=0)
     return tuple(
-        torch.zeros((num_cpu_blocks, t.page_size_bytes * block_size_factor), dtype=torch.int8)
+        _page_aligned_zeros(num_cpu_blocks, t.page_size_bytes * block_size_factor)
         for t in kv_caches.tensors
     )
+
+
+_PAGE = 4096
+
+
+def _page_aligned_zeros(rows: int, width: int) -> torch.Tensor:
+    flat = torch.zeros(rows * width + _PAGE, dtype=torch.int8)
+    skip = -flat.data_ptr() % _PAGE
+    return flat[skip : skip + rows * width].view(rows, width)
 
 
 def make_host_handlers(

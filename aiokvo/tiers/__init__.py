@@ -1,0 +1,73 @@
+"""Tiers below the CPU pool: the protocol the Offloader drives, and the tiers.
+
+``Tier`` (the protocol), ``TierStatistics``, ``CircuitBreaker``,
+``LayoutFingerprint`` and the disk tier (``DiskTier``, ``DiskTierConfig``).
+Names load lazily, so the pure parts (:mod:`aiokvo.tiers.base`,
+``breaker``, ``admission``, ``fingerprint``, ``disk.state``) import without
+asyncio or torch. See docs/tiers.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aiokvo.tiers.admission import Admission
+    from aiokvo.tiers.base import Tier, TierBinding, TierLoad, TierStatistics, TierStore
+    from aiokvo.tiers.breaker import BreakerStatistics, CircuitBreaker
+    from aiokvo.tiers.disk import DiskLoadStoreSpec, DiskTier, DiskTierConfig, DiskTierStatistics
+    from aiokvo.tiers.disk.files import FileIO
+    from aiokvo.tiers.fingerprint import LayoutFingerprint
+    from aiokvo.tiers.registry import register_tier_kind, tier_config_from_dict
+
+__all__ = [
+    "Admission",
+    "BreakerStatistics",
+    "CircuitBreaker",
+    "DiskLoadStoreSpec",
+    "DiskTier",
+    "DiskTierConfig",
+    "DiskTierStatistics",
+    "FileIO",
+    "LayoutFingerprint",
+    "Tier",
+    "TierBinding",
+    "TierLoad",
+    "TierStatistics",
+    "TierStore",
+    "register_tier_kind",
+    "tier_config_from_dict",
+]
+
+_WHERE = {
+    "Admission": "aiokvo.tiers.admission",
+    "BreakerStatistics": "aiokvo.tiers.breaker",
+    "CircuitBreaker": "aiokvo.tiers.breaker",
+    "DiskLoadStoreSpec": "aiokvo.tiers.disk.spec",
+    "DiskTier": "aiokvo.tiers.disk.tier",
+    "DiskTierConfig": "aiokvo.tiers.disk.config",
+    "DiskTierStatistics": "aiokvo.tiers.disk.tier",
+    "FileIO": "aiokvo.tiers.disk.files",
+    "LayoutFingerprint": "aiokvo.tiers.fingerprint",
+    "Tier": "aiokvo.tiers.base",
+    "TierBinding": "aiokvo.tiers.base",
+    "TierLoad": "aiokvo.tiers.base",
+    "TierStatistics": "aiokvo.tiers.base",
+    "TierStore": "aiokvo.tiers.base",
+    "register_tier_kind": "aiokvo.tiers.registry",
+    "tier_config_from_dict": "aiokvo.tiers.registry",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aiokvo.tiers' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,0 +1,211 @@
+"""The tier protocol: what the Offloader drives, and what every tier reports.
+
+Data flows GPU <-> CPU pool <-> tier; no tier touches GPU memory. A tier
+is two parts (DESIGN.md, "Tiers"): a pure state machine (which blocks it
+holds, what to admit and evict, whether it is healthy) and I/O routes in the
+worker, ``(CPU, <medium>)`` and ``(<medium>, CPU)``, that return
+:class:`~aiokvo.handlers.TransferTask`\\ s like every handler. :class:`Tier`
+is the object joining them that the :class:`~aiokvo.Offloader` is handed.
+
+The Offloader's side of the conversation, all on the loop's thread:
+
+* :meth:`Tier.bind` once, with the CPU pool (:class:`TierBinding`): the tier
+  builds its handlers over the pool's pages and returns their routes;
+  :meth:`Tier.open` then loads what the tier already holds (a disk tier's
+  index, from a previous process);
+* a load whose CPU prefix ends early asks :meth:`Tier.lookup` how many of
+  the next keys the tier has, reserves CPU blocks for them, and pins them in
+  the tier with :meth:`Tier.prepare_load`; after the ``(tier, CPU)`` copy,
+  :meth:`Tier.complete_load` says which keys' bytes are good (checksums),
+  and only those become readable in the CPU pool;
+* a store offers its keys with :meth:`Tier.offer` (the admission filter);
+  once the admitted keys are ready in the CPU pool they are pinned there and
+  written with :meth:`Tier.prepare_store` / :meth:`Tier.complete_store`.
+
+``prepare_*`` return None when the tier cannot take part now (its circuit
+breaker is open, no room): the CPU pool simply goes on alone. A tier also
+says how long one of its transfers may take (:attr:`Tier.io_timeout`): a load
+waits no longer for a promotion, and the tier counts the overrun as a
+failure. This module is pure (no asyncio, no torch at import).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiokvo.keys import OffloadKey
+from aiokvo.tiers.breaker import BreakerStatistics
+
+if TYPE_CHECKING:
+    import torch
+
+    from aiokvo.config import OffloadConfig
+    from aiokvo.handlers.routes import HandlerRoute
+    from aiokvo.layout import CanonicalKVCaches
+    from aiokvo.manager.sink import EventSink
+    from aiokvo.specs import LoadStoreSpec, TransferResult
+
+__all__ = ["Tier", "TierBinding", "TierLoad", "TierStatistics", "TierStore"]
+
+
+@dataclass(frozen=True, slots=True)
+class TierBinding:
+    """What a tier is bound to: the engine's layout and the CPU pool.
+
+    ``cpu_tensors[i]`` is the pool for canonical tensor ``i`` of
+    ``kv_caches`` (``(num_cpu_blocks, page_size_bytes * block_size_factor)``
+    int8, rows byte-contiguous, any row stride). ``events`` is the sink the CPU
+    manager publishes to; a tier publishes its own events there, with its
+    own medium, so one subscription sees every tier in order. ``dtype`` is
+    the engine tensors' dtype when the Offloader saw them (None for
+    already-canonical caches).
+    """
+
+    kv_caches: CanonicalKVCaches
+    cpu_tensors: tuple[torch.Tensor, ...]
+    config: OffloadConfig
+    events: EventSink
+    dtype: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class TierLoad:
+    """One reservation to read ``keys`` from a tier: ``spec`` is the copy's source.
+
+    The object is the reservation's identity: hand it back to
+    :meth:`Tier.complete_load` exactly once. ``state`` is the tier's own.
+    """
+
+    keys: list[OffloadKey]
+    spec: LoadStoreSpec
+    state: Any = field(default=None, repr=False)
+
+
+@dataclass(slots=True, eq=False)
+class TierStore:
+    """One reservation to write ``keys`` to a tier: ``spec`` is the copy's destination.
+
+    Hand it back to :meth:`Tier.complete_store` exactly once. ``evicted`` are
+    the keys the tier dropped to make room.
+    """
+
+    keys: list[OffloadKey]
+    spec: LoadStoreSpec
+    evicted: list[OffloadKey] = field(default_factory=list)
+    state: Any = field(default=None, repr=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TierStatistics:
+    """What every tier reports (a tier's own subclass adds its specifics).
+
+    * ``medium``; ``capacity_blocks`` and ``used_blocks`` now;
+    * lookups: ``lookups`` calls, ``lookup_hits`` keys found, ``lookup_misses``
+      calls that stopped at a key the tier lacks, ``lookups_bypassed`` calls
+      answered 0 because the breaker was open;
+    * reads (promotions into the CPU pool): ``reads`` transfers,
+      ``blocks_read`` good blocks, ``read_failures`` blocks that failed (I/O
+      error, timeout, checksum), ``bytes_read``, ``read_seconds``;
+    * writes: ``offers`` keys offered, ``admitted`` of them let through,
+      ``writes`` transfers, ``blocks_written``, ``write_failures`` blocks,
+      ``writes_refused`` keys not written (no room, breaker open, backlog),
+      ``bytes_written``, ``write_seconds``;
+    * ``checksum_failures`` blocks whose bytes did not match (each a miss,
+      removed), ``evictions``, ``removals`` (evictions excluded),
+      ``timeouts`` transfers past their deadline;
+    * ``breaker``: the circuit breaker's snapshot.
+    """
+
+    medium: str
+    capacity_blocks: int = 0
+    used_blocks: int = 0
+    lookups: int = 0
+    lookup_hits: int = 0
+    lookup_misses: int = 0
+    lookups_bypassed: int = 0
+    reads: int = 0
+    blocks_read: int = 0
+    read_failures: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    offers: int = 0
+    admitted: int = 0
+    writes: int = 0
+    blocks_written: int = 0
+    write_failures: int = 0
+    writes_refused: int = 0
+    bytes_written: int = 0
+    write_seconds: float = 0.0
+    checksum_failures: int = 0
+    evictions: int = 0
+    removals: int = 0
+    timeouts: int = 0
+    breaker: BreakerStatistics = field(default_factory=BreakerStatistics)
+
+
+class Tier(ABC):
+    """A storage tier below the CPU pool, driven by the Offloader; see the module.
+
+    Everything but :meth:`open`, :meth:`lookup` and :meth:`aclose` is
+    synchronous, and all of it runs on the loop's thread.
+    """
+
+    medium: str
+    """The tier's medium: its specs' ``medium()`` and its events' ``medium``."""
+
+    io_timeout: float
+    """Seconds one transfer of this tier may take, queueing included."""
+
+    @abstractmethod
+    def bind(self, binding: TierBinding) -> Sequence[HandlerRoute]:
+        """Build the tier's handlers over the CPU pool; their routes, for the worker.
+
+        Called once, before anything else. The worker owns (and closes) them.
+        """
+
+    async def open(self) -> None:
+        """Load what the tier already holds; called once after :meth:`bind`."""
+        return
+
+    @abstractmethod
+    def lookup_nowait(self, keys: Sequence[OffloadKey]) -> int:
+        """How many leading ``keys`` the tier holds ready now, from what it knows."""
+
+    async def lookup(self, keys: Sequence[OffloadKey]) -> int:
+        """How many leading ``keys`` the tier holds ready (a remote tier may ask)."""
+        return self.lookup_nowait(keys)
+
+    @abstractmethod
+    def prepare_load(self, keys: Sequence[OffloadKey]) -> TierLoad | None:
+        """Pin ``keys`` (a prefix :meth:`lookup` reported) for reading, or None."""
+
+    @abstractmethod
+    def complete_load(self, load: TierLoad, result: TransferResult) -> list[OffloadKey]:
+        """The copy of ``load`` ended: release it; the keys whose bytes are good.
+
+        Keys that failed (checksum, I/O) are misses the tier counts and, where
+        the data is bad, removes.
+        """
+
+    @abstractmethod
+    def offer(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """Count one offer of each key; those to write now (admitted and not held)."""
+
+    @abstractmethod
+    def prepare_store(self, keys: Sequence[OffloadKey]) -> TierStore | None:
+        """Reserve room for ``keys`` (admitted, ready in the CPU pool), or None."""
+
+    @abstractmethod
+    def complete_store(self, store: TierStore, result: TransferResult) -> None:
+        """The copy of ``store`` ended: its keys are readable on success, released otherwise."""
+
+    @abstractmethod
+    def statistics(self) -> TierStatistics:
+        """A frozen snapshot of the tier."""
+
+    async def aclose(self) -> None:
+        """Release what the tier owns (its handlers belong to the worker)."""
+        return

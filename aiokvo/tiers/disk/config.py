@@ -1,0 +1,143 @@
+"""``DiskTierConfig``: a disk tier's settings, validated once (pure data).
+
+:class:`~aiokvo.tiers.disk.DiskTier` takes the same keywords and builds one
+of these; :class:`~aiokvo.OffloadConfig` keeps them in ``tiers`` (from
+``from_dict``'s ``"tiers": [{"kind": "disk", ...}]``), so an engine's JSON
+config can ask for a disk tier. docs/tiers.md describes every knob.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Literal
+
+from aiokvo._util import check_choice, check_int
+from aiokvo.errors import ConfigError
+
+if TYPE_CHECKING:
+    from aiokvo.tiers.base import Tier
+
+__all__ = ["FSYNC_POLICIES", "DiskTierConfig", "FsyncPolicy"]
+
+FsyncPolicy = Literal["none", "commit"]
+FSYNC_POLICIES: tuple[FsyncPolicy, ...] = ("none", "commit")
+
+
+def _seconds(name: str, value: object, *, allow_zero: bool = False) -> float:
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and (value >= 0 if allow_zero else value > 0)
+    )
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DiskTierConfig:
+    """Settings of one disk tier (see docs/tiers.md, "Knobs").
+
+    ``root`` is the directory the tier's layout directories go in (created
+    0700 if missing); ``capacity_bytes`` bounds the files this process's slab
+    takes there. ``model_id`` (and ``dtype``, else the engine tensors') name
+    the bytes in the layout fingerprint.
+    """
+
+    root: str
+    capacity_bytes: int
+    model_id: str
+    dtype: str | None = None
+    admit_after: int = 1
+    fsync: FsyncPolicy = "none"
+    policy: str = "lru"
+    io_timeout: float = 10.0
+    direct_io: bool | None = None
+    refresh_interval: float = 2.0
+    failure_threshold: int = 3
+    reset_after: float = 5.0
+    max_tracked: int = 64_000
+    max_write_blocks: int | None = None
+
+    kind = "disk"
+
+    def __post_init__(self) -> None:
+        root = self.root
+        if isinstance(root, os.PathLike):
+            root = os.fspath(root)
+        if not isinstance(root, str) or not root:
+            raise ConfigError(f"root must be a directory path, got {self.root!r}")
+        object.__setattr__(self, "root", root)
+        object.__setattr__(
+            self, "capacity_bytes", check_int("capacity_bytes", self.capacity_bytes, minimum=1)
+        )
+        for name in ("model_id", "dtype"):
+            value = getattr(self, name)
+            if value is None and name == "dtype":
+                continue
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigError(f"{name} must be a non-empty string, got {value!r}")
+        admit_after = check_int("admit_after", self.admit_after, minimum=1)
+        object.__setattr__(self, "admit_after", admit_after)
+        check_choice("fsync", self.fsync, FSYNC_POLICIES)
+        if not isinstance(self.policy, str) or not self.policy:
+            raise ConfigError(f"policy must be a cache policy name, got {self.policy!r}")
+        object.__setattr__(self, "io_timeout", _seconds("io_timeout", self.io_timeout))
+        if self.direct_io is not None and not isinstance(self.direct_io, bool):
+            raise ConfigError(
+                f"direct_io must be None (probe), True or False, got {self.direct_io!r}"
+            )
+        object.__setattr__(
+            self, "refresh_interval",
+            _seconds("refresh_interval", self.refresh_interval, allow_zero=True),
+        )  # fmt: skip
+        object.__setattr__(
+            self, "failure_threshold",
+            check_int("failure_threshold", self.failure_threshold, minimum=1),
+        )  # fmt: skip
+        object.__setattr__(self, "reset_after", _seconds("reset_after", self.reset_after))
+        max_tracked = check_int("max_tracked", self.max_tracked, minimum=1)
+        object.__setattr__(self, "max_tracked", max_tracked)
+        if self.max_write_blocks is not None:
+            object.__setattr__(
+                self, "max_write_blocks",
+                check_int("max_write_blocks", self.max_write_blocks, minimum=1),
+            )  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, settings: Mapping[str, Any]) -> DiskTierConfig:
+        """From a JSON-style mapping (``kind`` may be present); unknown keys are errors."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in settings if k not in known and k != "kind")
+        if unknown:
+            raise ConfigError(
+                f"unknown disk tier settings {unknown}; known: {', '.join(sorted(known))}"
+            )
+        values = {k: v for k, v in settings.items() if k != "kind"}
+        for key in ("capacity_bytes", "admit_after", "failure_threshold", "max_tracked"):
+            if isinstance(values.get(key), str | float):
+                values[key] = _parse_int(key, values[key])
+        return cls(**values)
+
+    def build(self) -> Tier:
+        """A :class:`~aiokvo.tiers.disk.DiskTier` with these settings."""
+        import importlib  # by name: the tier (I/O) is above its settings (pure)
+
+        tier: Tier = importlib.import_module("aiokvo.tiers.disk.tier").DiskTier.from_config(self)
+        return tier
+
+
+def _parse_int(key: str, value: object) -> int:
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise ConfigError(f"{key} must be an integer, got {value!r}")

@@ -1,0 +1,360 @@
+"""The disk tier's I/O routes: ``(CPU, DISK)`` writes and ``(DISK, CPU)`` reads.
+
+Each direction is a :class:`~aiokvo.handlers.base.SingleDirectionHandler`
+(FIFO, awaitable :class:`~aiokvo.handlers.TransferTask`\\ s, statistics) whose
+copies run on its own :class:`~aiokvo.handlers.host.dispatch.DispatchThread`,
+so reads (promotions a load waits for) never queue behind write-through.
+The loop only checks and enqueues; it never runs a job itself (no
+``assist``): a disk can stall, a memory copy cannot.
+
+A block is one slot of the slab's data file, holding a full row of each
+canonical tensor its key's group uses, back to back. ``os.pwritev`` and
+``os.preadv`` move those rows straight between the CPU pool's pages and the
+file (one iovec per tensor, no staging copy), with O_DIRECT when the
+filesystem takes it and every pool row is page-aligned, else through the
+page cache. Writes: clear the slots' entries, write and checksum each
+block, (``fsync="commit"``: ``fdatasync``), commit the entries,
+(``fdatasync``). Reads: read each block and verify its checksum. Every block's
+outcome goes in the spec's :class:`~aiokvo.tiers.disk.spec.BlockReport`;
+a transfer with any failed block fails with the first error.
+
+Deadlines: a transfer has ``io_timeout`` seconds from submission, queueing
+included; a block not started by then is not started (``TIMEOUT``), and a
+timer on the loop tells the tier when a transfer is overdue even if a system
+call hangs, so its breaker can act while the call is still stuck.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+
+import numpy as np
+import torch
+
+from aiokvo.errors import TierChecksumError, TierTimeoutError, TransferSpecError
+from aiokvo.handlers.base import SingleDirectionHandler, Submission
+from aiokvo.handlers.host.dispatch import DispatchEvent, DispatchThread
+from aiokvo.handlers.task import DEFAULT_MAX_BUFFERED
+from aiokvo.keys import OffloadKey, get_offload_group_idx
+from aiokvo.plan.rows import check_ids_in_range
+from aiokvo.runtime.poller import PollerMode
+from aiokvo.specs import CPULoadStoreSpec, TransferSpec
+from aiokvo.tiers.disk.config import FsyncPolicy
+from aiokvo.tiers.disk.files import DIRECT_ALIGN, FileIO, ShortRead, read_all, write_all
+from aiokvo.tiers.disk.format import Entry
+from aiokvo.tiers.disk.slab import SlabDirectory, SlabFiles
+from aiokvo.tiers.disk.spec import BlockLocation, BlockStatus, DiskLoadStoreSpec
+from aiokvo.tiers.fingerprint import LayoutFingerprint
+
+__all__ = ["DiskTierHandler"]
+
+SlabLookup = Callable[[int], "SlabFiles | None"]
+
+OVERLAP_MIN_BYTES = 64 << 10
+"""Blocks at least this big are checksummed on a helper thread while the next
+block's I/O runs (both release the GIL); smaller ones inline, where handing
+over would cost more than it saves."""
+Overdue = Callable[[DiskLoadStoreSpec], None]
+
+
+class DiskTierHandler(SingleDirectionHandler):
+    """One direction between the CPU pool and a disk tier's slabs.
+
+    ``cpu_tensors`` are the CPU pool's tensors; ``fingerprint`` says which of
+    them a key's group uses; ``slabs`` finds a slab's open files by number;
+    ``on_overdue`` is called on the loop when a transfer passes its deadline.
+    ``dispatcher`` runs the jobs (default: a thread of the handler's own).
+    """
+
+    def __init__(
+        self,
+        cpu_tensors: Sequence[torch.Tensor],
+        *,
+        fingerprint: LayoutFingerprint,
+        slot_bytes: int,
+        directory: SlabDirectory,
+        slabs: SlabLookup,
+        to_disk: bool,
+        fsync: FsyncPolicy,
+        io_timeout: float,
+        file_io: FileIO,
+        on_overdue: Overdue,
+        dispatcher: DispatchThread | None = None,
+        poller_mode: PollerMode | None = None,
+        max_buffered: int = DEFAULT_MAX_BUFFERED,
+    ) -> None:
+        super().__init__(
+            ("CPU", "DISK") if to_disk else ("DISK", "CPU"),
+            poller_mode=poller_mode,
+            max_buffered=max_buffered,
+        )
+        self.to_disk = to_disk
+        self.fsync = fsync
+        self.io_timeout = io_timeout
+        self.slot_bytes = slot_bytes
+        self._io = file_io
+        self._directory = directory
+        self._slabs = slabs
+        self._on_overdue = on_overdue
+        self._rows = [t.numpy() for t in cpu_tensors]  # views of the pool: no copy
+        self._num_cpu_blocks = min((int(t.shape[0]) for t in cpu_tensors), default=0)
+        self._group_tensors = [
+            fingerprint.group_tensors(g) for g in range(len(fingerprint.group_refs))
+        ]
+        self._payload = [fingerprint.payload_bytes(g) for g in range(len(fingerprint.group_refs))]
+        # O_DIRECT needs every buffer's address and length aligned: decided once.
+        self.aligned = all(_page_aligned(t) for t in cpu_tensors)
+        self._helper: ThreadPoolExecutor | None = None
+        self._owns_dispatcher = dispatcher is None
+        name = "aiokvo-disk-write" if to_disk else "aiokvo-disk-read"
+        self._dispatch = dispatcher or DispatchThread(name)
+        self._lane = (type(self).__name__, name, id(self))
+
+    @property
+    def dispatcher(self) -> DispatchThread:
+        return self._dispatch
+
+    def payload_bytes(self, key: OffloadKey) -> int:
+        """Bytes of ``key``'s block (a full pool row of each tensor of its group)."""
+        return self._payload[get_offload_group_idx(key)]
+
+    # ------------------------------------------------------------------ submit
+    def _submit(self, job_id: int, spec: TransferSpec) -> Submission:
+        src, dst = self._check_route(spec)
+        cpu, disk = (src, dst) if self.to_disk else (dst, src)
+        if not isinstance(cpu, CPULoadStoreSpec) or not isinstance(disk, DiskLoadStoreSpec):
+            raise TransferSpecError(
+                f"a disk transfer pairs a CPULoadStoreSpec with a DiskLoadStoreSpec, got {spec!r}"
+            )
+        n = len(disk)
+        if len(cpu) != n:
+            raise TransferSpecError(
+                f"{n} disk blocks need {n} CPU blocks, got {len(cpu)}"
+            )
+        check_ids_in_range(cpu.block_ids, self._num_cpu_blocks, "CPU block id", "disk transfer")
+        groups = len(self._payload)
+        files: list[SlabFiles] = []
+        total = 0
+        for key, where in zip(disk.keys, disk.locations, strict=True):
+            group = get_offload_group_idx(key)
+            if group >= groups:
+                raise TransferSpecError(
+                    f"key {key.hex()} is of KV group {group}; the layout has {groups}"
+                )
+            slab = self._slabs(where.slab)
+            if slab is None or (self.to_disk and not slab.writer):
+                raise TransferSpecError(f"slab {where.slab} is not open for this transfer")
+            if where.slot >= slab.geometry.num_slots:
+                raise TransferSpecError(
+                    f"slot {where.slot} is past slab {where.slab}'s {slab.geometry.num_slots}"
+                )
+            files.append(slab)
+            total += self._payload[group]
+        deadline = time.monotonic() + self.io_timeout
+        job = self._write if self.to_disk else self._read
+        event = DispatchEvent()  # no patience: the loop never runs disk I/O
+        rows = cpu.block_ids.tolist()
+        self._dispatch.submit(partial(job, disk, rows, files, deadline), event)
+        timer = asyncio.get_running_loop().call_later(
+            self.io_timeout, self._overdue, disk, event
+        )
+        return Submission(
+            source=event,
+            transfer_size=total,
+            lane=self._lane,
+            elapsed=event.elapsed,
+            release=timer.cancel,
+        )
+
+    def _overdue(self, disk: DiskLoadStoreSpec, event: DispatchEvent) -> None:
+        if not event.query():
+            self._on_overdue(disk)
+
+    # ------------------------------------------------------------ the jobs
+    def _buffers(self, key: OffloadKey, row: int) -> list[np.ndarray]:
+        rows = self._rows
+        return [rows[t][row] for t in self._group_tensors[get_offload_group_idx(key)]]
+
+    def _fd(self, slab: SlabFiles) -> int:
+        direct = slab.direct_fd
+        return direct if direct is not None and self.aligned else slab.data_fd
+
+    def _write(
+        self, disk: DiskLoadStoreSpec, rows: list[int], files: list[SlabFiles], deadline: float
+    ) -> tuple[()]:
+        """On the write thread: clear, write, (sync,) commit, (sync).
+
+        A block that fails stops the transfer there; the blocks written before
+        it are still committed, so a full disk loses only what did not fit.
+        """
+        io, directory, report, slot_bytes = self._io, self._directory, disk.report, self.slot_bytes
+        commit = self.fsync == "commit"
+        slabs = _distinct(files)
+        try:
+            for slab, where in zip(files, disk.locations, strict=True):
+                directory.clear(slab, where.slot)
+            if commit:
+                for slab in slabs:
+                    io.fdatasync(slab.index_fd)
+        except OSError as exc:
+            for i in range(len(disk.keys)):
+                report.fail(i, BlockStatus.IO_ERROR, exc)
+            raise
+        written: list[int] = []
+        sums: dict[int, int | Future[int]] = {}
+        for i, (key, row, slab, where) in enumerate(
+            zip(disk.keys, rows, files, disk.locations, strict=True)
+        ):
+            if time.monotonic() > deadline:
+                _time_out(report, i, "write", self.io_timeout)
+                break
+            buffers = self._buffers(key, row)
+            sums[i] = self._sum(buffers, self.payload_bytes(key))  # overlaps the write
+            try:
+                write_all(io, self._fd(slab), buffers, where.slot * slot_bytes)
+            except OSError as exc:
+                report.fail(i, BlockStatus.IO_ERROR, exc)
+                break
+            written.append(i)
+        for i, pending in sums.items():
+            report.checksums[i] = pending if isinstance(pending, int) else pending.result()
+        try:
+            if commit and written:
+                for slab in slabs:
+                    io.fdatasync(slab.data_fd)
+            for i in written:
+                where, key = disk.locations[i], disk.keys[i]
+                directory.commit(
+                    files[i], where.slot, key, report.checksums[i], where.generation,
+                    self.payload_bytes(key),
+                )  # fmt: skip
+            if commit and written:
+                for slab in slabs:
+                    io.fdatasync(slab.index_fd)
+        except OSError as exc:
+            for i in written:
+                report.fail(i, BlockStatus.IO_ERROR, exc)
+            raise
+        for i in written:
+            report.status[i] = BlockStatus.OK
+        if report.error is not None:
+            raise report.error
+        return ()
+
+    def _read(
+        self, disk: DiskLoadStoreSpec, rows: list[int], files: list[SlabFiles], deadline: float
+    ) -> tuple[()]:
+        """On the read thread: read each block into its pool rows and verify it."""
+        io, report, slot_bytes = self._io, disk.report, self.slot_bytes
+        sums: list[tuple[int, list[np.ndarray], int | Future[int]]] = []
+        locations = disk.locations
+        # In file order: sequential on the device, whatever order the slots were handed out.
+        order = sorted(range(len(rows)), key=lambda j: (locations[j].slab, locations[j].slot))
+        for i in order:
+            key, row, slab, where = disk.keys[i], rows[i], files[i], locations[i]
+            if time.monotonic() > deadline:
+                for j in order[order.index(i) :]:
+                    _time_out(report, j, "read", self.io_timeout, only=True)
+                break
+            buffers = self._buffers(key, row)
+            try:
+                read_all(io, self._fd(slab), buffers, where.slot * slot_bytes)
+            except ShortRead as exc:
+                report.fail(i, BlockStatus.MISSING, exc)
+                continue
+            except OSError as exc:
+                report.fail(i, BlockStatus.IO_ERROR, exc)
+                continue
+            sums.append((i, buffers, self._sum(buffers, self.payload_bytes(key))))
+        for i, _, pending in sums:  # verify every block read (its sum overlapped the next read)
+            found = pending if isinstance(pending, int) else pending.result()
+            key, slab, where = disk.keys[i], files[i], disk.locations[i]
+            if found == where.checksum:
+                report.status[i] = BlockStatus.OK
+                continue
+            status = BlockStatus.CHECKSUM
+            if not slab.writer and not _still(self._directory, slab, where):
+                status = BlockStatus.STALE  # its writer moved on since our refresh
+            report.fail(
+                i, status,
+                TierChecksumError(
+                    f"block {key.hex()} in slot {where.slot} of slab {where.slab}: checksum "
+                    f"{found:#018x}, expected {where.checksum:#018x}"
+                    + (" (its writer replaced it)" if status is BlockStatus.STALE else "")
+                ),
+            )  # fmt: skip
+        if report.error is not None:
+            raise report.error
+        return ()
+
+    def _sum(self, buffers: list[np.ndarray], nbytes: int) -> int | Future[int]:
+        """The blocks' checksum: now, or (big blocks) a future from the helper thread."""
+        if nbytes < OVERLAP_MIN_BYTES:
+            return _checksum(buffers)
+        helper = self._helper
+        if helper is None:
+            helper = self._helper = ThreadPoolExecutor(1, thread_name_prefix="aiokvo-disk-sum")
+        return helper.submit(_checksum, buffers)
+
+    async def _close_backend(self) -> None:
+        if self._owns_dispatcher:
+            self._dispatch.shutdown()
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
+        self._rows = []
+
+    def run_later(self, work: Callable[[], object]) -> None:
+        """Queue ``work`` on this handler's thread, after the transfers queued now
+        (housekeeping: clearing removed blocks' entries). Its errors are dropped."""
+
+        def job() -> tuple[()]:
+            with contextlib.suppress(OSError):  # best effort: reads re-check entries
+                work()
+            return ()
+
+        self._dispatch.submit(job, DispatchEvent())
+
+
+def _still(directory: SlabDirectory, slab: SlabFiles, where: BlockLocation) -> bool:
+    """Whether another process's slab still has the entry we indexed."""
+    try:
+        entry = directory.entry(slab, where.slot)
+    except OSError:
+        return False
+    return isinstance(entry, Entry) and entry.generation == where.generation
+
+
+def _checksum(buffers: list[np.ndarray]) -> int:
+    from aiokvo.tiers.disk.format import checksum
+
+    return checksum(buffers)
+
+
+def _time_out(report: object, i: int, what: str, timeout: float, *, only: bool = False) -> None:
+    """Blocks ``i`` and after (or ``i`` alone) were not started: past the deadline."""
+    from aiokvo.tiers.disk.spec import BlockReport
+
+    assert isinstance(report, BlockReport)
+    error = TierTimeoutError(f"disk {what} passed its deadline ({timeout} s) before block {i}")
+    for j in [i] if only else range(i, len(report.status)):
+        report.fail(j, BlockStatus.TIMEOUT, error)
+
+
+def _distinct(files: list[SlabFiles]) -> list[SlabFiles]:
+    return list({id(f): f for f in files}.values())
+
+
+def _page_aligned(t: torch.Tensor) -> bool:
+    """Every row of ``t`` starts and ends on a page boundary (O_DIRECT can use it)."""
+    width = int(t.shape[1]) * t.element_size()
+    stride = int(t.stride(0)) * t.element_size()
+    return (
+        t.data_ptr() % DIRECT_ALIGN == 0
+        and (t.shape[0] <= 1 or stride % DIRECT_ALIGN == 0)
+        and width % DIRECT_ALIGN == 0
+    )

@@ -1,0 +1,145 @@
+"""Shared pieces of the disk-tier tests: engine-shaped KV with checkable bytes, and
+``FileIO`` seams that fail, stall or count."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from aiokvo import CanonicalKVCaches, OffloadConfig, Offloader, make_offload_key
+from aiokvo.keys import OffloadKey
+from aiokvo.tiers import DiskTier, FileIO
+
+BLOCK_TOKENS = 16
+
+
+def key(name: str, group: int = 0) -> OffloadKey:
+    return make_offload_key(hashlib.blake2b(name.encode(), digest_size=16).digest(), group)
+
+
+def keys(prefix: str, n: int, group: int = 0) -> list[OffloadKey]:
+    return [key(f"{prefix}{i}", group) for i in range(n)]
+
+
+class KV:
+    """``layers`` tensors of ``(num_blocks, page)`` int8 GPU blocks; the bytes of a block
+    are a function of its key, so every reload is checked byte for byte."""
+
+    def __init__(self, num_blocks: int = 64, *, page: int = 4096, layers: int = 2) -> None:
+        self.page_bytes = page
+        self.layers = [torch.zeros(num_blocks, page, dtype=torch.int8) for _ in range(layers)]
+        self.caches = CanonicalKVCaches.from_engine(self.layers)
+
+    def page(self, k: OffloadKey, layer: int) -> np.ndarray:
+        digest = hashlib.shake_128(bytes(k) + bytes([layer])).digest(self.page_bytes)
+        return np.frombuffer(digest, dtype=np.int8)
+
+    def write(self, blocks: Sequence[int], ks: Sequence[OffloadKey]) -> None:
+        for block, k in zip(blocks, ks, strict=True):
+            for layer, tensor in enumerate(self.layers):
+                tensor[block].numpy()[:] = self.page(k, layer)
+
+    def holds(self, blocks: Sequence[int], ks: Sequence[OffloadKey]) -> bool:
+        return all(
+            np.array_equal(tensor[block].numpy(), self.page(k, layer))
+            for block, k in zip(blocks, ks, strict=True)
+            for layer, tensor in enumerate(self.layers)
+        )
+
+    def clear(self, blocks: Sequence[int]) -> None:
+        for tensor in self.layers:
+            tensor[list(blocks)] = 0
+
+    def config(self, cpu_blocks: int, **options: Any) -> OffloadConfig:
+        return OffloadConfig(
+            gpu_block_sizes=(BLOCK_TOKENS,),
+            hash_block_size=BLOCK_TOKENS,
+            kv_bytes_per_block=self.caches.page_bytes_per_block,
+            cpu_bytes_to_use=cpu_blocks * self.caches.page_bytes_per_block,
+            **options,
+        )
+
+    def slot_bytes(self) -> int:
+        return -(-self.caches.page_bytes_per_block // 4096) * 4096
+
+
+def disk_tier(root: Path, *, slots: int = 64, kv: KV | None = None, **options: Any) -> DiskTier:
+    """A tier of exactly ``slots`` slots for ``kv``'s blocks (one block: slot_bytes)."""
+    slot = (kv or KV()).slot_bytes()
+    capacity = options.pop("capacity_bytes", None)
+    if capacity is None:
+        index = 4096 + -(-slots * 128 // 4096) * 4096
+        capacity = index + slots * slot
+    options.setdefault("model_id", "test-model")
+    options.setdefault("refresh_interval", 0)
+    return DiskTier(root, capacity_bytes=capacity, **options)
+
+
+def offloader(kv: KV, root: Path, *, cpu_blocks: int = 8, **tier_options: Any) -> Offloader:
+    config_options = tier_options.pop("config_options", {})
+    return Offloader(
+        kv.config(cpu_blocks, **config_options), kv.caches,
+        tiers=[disk_tier(root, kv=kv, **tier_options)],
+    )  # fmt: skip
+
+
+async def fill(off: Offloader, kv: KV, ks: Sequence[OffloadKey], start: int = 0) -> None:
+    """Store ``ks`` from GPU blocks ``start...`` (written with their bytes), in CPU-sized bites."""
+    blocks = list(range(start, start + len(ks)))
+    kv.write(blocks, ks)
+    result = await off.store(list(ks), blocks)
+    assert result.ok, result
+    await off.drain()
+
+
+def data_file(tier: DiskTier, slab: int = 0) -> Path:
+    return tier.directory / f"slab-{slab:04d}.data"
+
+
+class FaultyIO(FileIO):
+    """Fails or stalls reads/writes on demand; counts calls. Thread-safe enough for tests."""
+
+    def __init__(self) -> None:
+        self.fail_writes: int | None = None  # errno for every pwritev, while set
+        self.fail_reads: int | None = None
+        self.fail_after_bytes: int | None = None  # ENOSPC once this many payload bytes written
+        self.read_gate = threading.Event()
+        self.read_gate.set()
+        self.write_gate = threading.Event()
+        self.write_gate.set()
+        self.written = 0
+        self.syncs = 0
+        self.reads = 0
+        self.writes = 0
+
+    def pwritev(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
+        if not self.write_gate.wait(60):
+            raise TimeoutError("the test never opened the write gate")
+        self.writes += 1
+        if self.fail_writes is not None:
+            raise OSError(self.fail_writes, os.strerror(self.fail_writes))
+        size = sum(memoryview(b).nbytes for b in buffers)
+        if self.fail_after_bytes is not None and self.written + size > self.fail_after_bytes:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.written += size
+        return super().pwritev(fd, buffers, offset)
+
+    def preadv(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
+        if not self.read_gate.wait(60):
+            raise TimeoutError("the test never opened the read gate")
+        self.reads += 1
+        if self.fail_reads is not None:
+            raise OSError(self.fail_reads, os.strerror(self.fail_reads))
+        return super().preadv(fd, buffers, offset)
+
+    def fdatasync(self, fd: int) -> None:
+        self.syncs += 1
+        super().fdatasync(fd)

@@ -1,0 +1,395 @@
+"""The disk tier's promises, through the Offloader (each test would catch its violation)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from aiokvo import OffloadConfig, OffloadingEvent
+from aiokvo.errors import ConfigError, UnsafeFileError
+from aiokvo.events import EventSubscription
+from aiokvo.tiers import DiskTier, DiskTierConfig
+from aiokvo.tiers.disk.format import ENTRY_BYTES, HEADER_PAGE
+from tests.tiers.disk._util import KV, FaultyIO, data_file, fill, keys, offloader
+
+
+def drain_events(sub: EventSubscription) -> list[OffloadingEvent]:
+    return [e for e in sub.drain_nowait() if isinstance(e, OffloadingEvent)]
+
+
+@pytest.mark.parametrize("page", [4096, 64], ids=["aligned-direct", "unaligned-buffered"])
+async def test_blocks_evicted_from_cpu_come_back_from_disk_byte_exact(
+    disk_tier_path: Path, page: int
+) -> None:
+    kv = KV(page=page)
+    ks = keys("a", 12)
+    async with offloader(kv, disk_tier_path, cpu_blocks=8) as off:
+        sub = off.subscribe()
+        for i in range(0, 12, 4):  # the CPU pool holds 8: the first 4 leave it
+            await fill(off, kv, ks[i : i + 4], start=i)
+        tier = off.statistics().tiers[0]
+        assert tier.blocks_written == 12 and tier.used_blocks == 12
+        assert tier.direct_io is (page == 4096)
+        events = drain_events(sub)
+        disk_stored = [k for e in events if e.medium == "DISK" and not e.removed for k in e.keys]
+        assert disk_stored == ks
+        kv.clear(range(64))
+        n = await off.load_prefix(ks[:8], list(range(20, 28)))
+        assert n == 8
+        assert kv.holds(range(20, 28), ks[:8])
+        stats = off.statistics()
+        assert stats.hits_by_medium["DISK"] == 4
+        assert stats.hits_by_medium["CPU"] == 4
+        assert stats.promoted_blocks == 4 and stats.tiers[0].blocks_read == 4
+        assert stats.manager.pinned_blocks == 0 and stats.manager.writing_blocks == 0
+        # A prefix longer than the pool loads what fits next to it.
+        kv.clear(range(64))
+        n = await off.load_prefix(ks, list(range(30, 42)))
+        assert n == 8 and kv.holds(range(30, 38), ks[:8])
+
+
+async def test_a_flipped_byte_is_a_counted_evented_removed_miss(disk_tier_path: Path) -> None:
+    kv = KV()
+    ks = keys("c", 8)
+    async with offloader(kv, disk_tier_path, cpu_blocks=4) as off:
+        await fill(off, kv, ks[:4])
+        await fill(off, kv, ks[4:], start=4)  # the first four now live on disk only
+        tier = off.tiers[0]
+        assert isinstance(tier, DiskTier)
+        slot = tier.state.slots.slot_of(ks[2])
+        assert slot is not None
+        with open(data_file(tier), "r+b") as f:  # flip one byte of key 2's block
+            f.seek(slot * kv.slot_bytes() + 1000)
+            byte = f.read(1)
+            f.seek(slot * kv.slot_bytes() + 1000)
+            f.write(bytes([byte[0] ^ 0x40]))
+        sub = off.subscribe()
+        kv.clear(range(64))
+        n = await off.load_prefix(ks, list(range(30, 38)))
+        assert n == 2  # the prefix ends at the corrupt block: never its bytes
+        assert kv.holds(range(30, 32), ks[:2])
+        stats = off.statistics()
+        assert stats.tiers[0].checksum_failures == 1
+        assert stats.tiers[0].removals == 1
+        assert not tier.state.holds(ks[2])
+        removed = [e for e in drain_events(sub) if e.medium == "DISK" and e.removed]
+        assert [e.keys for e in removed] == [[ks[2]]]
+        assert stats.manager.writing_blocks == 0 and stats.manager.pinned_blocks == 0
+        assert stats.promotion_failures == 1
+    # Removed on disk too: a new process does not adopt it.
+    async with offloader(kv, disk_tier_path, cpu_blocks=4) as off:
+        tier = off.tiers[0]
+        assert isinstance(tier, DiskTier)
+        assert not tier.state.holds(ks[2])
+        assert tier.state.holds(ks[3])
+
+
+async def test_another_layout_or_model_never_reads_the_blocks(disk_tier_path: Path) -> None:
+    kv = KV()
+    ks = keys("f", 4)
+    async with offloader(kv, disk_tier_path) as off:
+        await fill(off, kv, ks)
+        ours = off.tiers[0]
+        assert isinstance(ours, DiskTier)
+        our_dir = ours.directory
+    async with offloader(kv, disk_tier_path, model_id="another-model") as off:
+        tier = off.tiers[0]
+        assert isinstance(tier, DiskTier)
+        assert tier.directory != our_dir
+        assert await off.load_prefix(ks, [10, 11, 12, 13]) == 0
+        other_dir = tier.directory
+    # Our slab copied under the other model's name: its header names our layout.
+    for name in os.listdir(our_dir):
+        shutil.copy(our_dir / name, other_dir / name.replace("0000", "0001"))
+        os.chmod(other_dir / name.replace("0000", "0001"), 0o600)
+    async with offloader(kv, disk_tier_path, model_id="another-model") as off:
+        tier = off.tiers[0]
+        assert isinstance(tier, DiskTier)
+        assert await off.load_prefix(ks, [10, 11, 12, 13]) == 0
+        assert tier.statistics().refused_slabs >= 1
+
+
+async def test_capacity_is_honoured_exactly_and_eviction_is_evented(disk_tier_path: Path) -> None:
+    kv = KV()
+    ks = keys("cap", 30)
+    async with offloader(kv, disk_tier_path, cpu_blocks=4, slots=10) as off:
+        sub = off.subscribe()
+        for i in range(0, 30, 3):
+            await fill(off, kv, ks[i : i + 3], start=i)
+        tier = off.tiers[0]
+        assert isinstance(tier, DiskTier)
+        stats = tier.statistics()
+        assert stats.capacity_blocks == 10 and stats.used_blocks == 10
+        assert stats.evictions == 20
+        on_disk = sum(os.stat(tier.directory / n).st_size for n in os.listdir(tier.directory))
+        assert on_disk <= tier.config.capacity_bytes
+        events = drain_events(sub)
+        gone = [k for e in events if e.medium == "DISK" and e.removed for k in e.keys]
+        assert sorted(gone) == sorted(ks[:20])  # LRU: the oldest went
+        assert all(tier.state.holds(k) for k in ks[20:])
+
+
+async def test_enospc_fails_the_store_cleanly_and_shrinks_nothing(disk_tier_path: Path) -> None:
+    kv = KV()
+    io = FaultyIO()
+    ks = keys("full", 8)
+    async with offloader(kv, disk_tier_path, cpu_blocks=8, file_io=io) as off:
+        await fill(off, kv, ks[:4])
+        tier = off.tiers[0]
+        assert isinstance(tier, DiskTier)
+        assert tier.statistics().used_blocks == 4
+        io.fail_after_bytes = io.written + kv.caches.page_bytes_per_block  # room for one more
+        kv.write([4, 5, 6, 7], ks[4:])
+        result = await off.store(ks[4:], [4, 5, 6, 7])
+        await off.drain()
+        assert result.stored == tuple(ks[4:])  # the CPU pool took them: the tier is extra
+        stats = tier.statistics()
+        assert stats.blocks_written == 5 and stats.write_failures == 3
+        assert stats.used_blocks == 5 and stats.evictions == 0  # nothing else went
+        assert all(tier.state.holds(k) for k in ks[:5])
+        assert not any(tier.state.holds(k) for k in ks[5:])
+    io.fail_after_bytes = None
+    async with offloader(kv, disk_tier_path, cpu_blocks=8) as off:  # all five survive
+        kv.clear(range(64))
+        assert await off.load_prefix(ks[:5], [20, 21, 22, 23, 24]) == 5
+        assert kv.holds([20, 21, 22, 23, 24], ks[:5])
+
+
+async def test_a_new_process_rebuilds_the_index_and_serves_the_blocks(
+    disk_tier_path: Path,
+) -> None:
+    kv = KV()
+    ks = keys("r", 6)
+    async with offloader(kv, disk_tier_path) as off:
+        await fill(off, kv, ks)
+    kv.clear(range(64))
+    async with offloader(kv, disk_tier_path) as off:
+        stats = off.statistics().tiers[0]
+        assert stats.adopted_blocks == 6
+        sub = off.subscribe()
+        assert await off.load_prefix(ks, list(range(40, 46))) == 6
+        assert kv.holds(range(40, 46), ks)
+        assert off.statistics().hits_by_medium["DISK"] == 6
+        assert drain_events(sub)  # promoted into the CPU pool: CPU stores
+
+
+async def test_a_failing_disk_is_taken_out_and_tried_again_later(disk_tier_path: Path) -> None:
+    kv = KV()
+    io = FaultyIO()
+    now = [0.0]
+    ks = keys("b", 8)
+    async with offloader(
+        kv, disk_tier_path, cpu_blocks=4, file_io=io, clock=lambda: now[0],
+        failure_threshold=2, reset_after=10.0,
+    ) as off:  # fmt: skip
+        await fill(off, kv, ks[:4])
+        await fill(off, kv, ks[4:], start=4)  # ks[:4] on disk only, ks[4:] in the CPU pool
+        io.fail_reads = errno.EIO
+        for _ in range(2):
+            assert await off.load_prefix(ks, list(range(20, 28))) == 0
+        tier = off.statistics().tiers[0]
+        assert tier.breaker.state == "open" and tier.breaker.trips == 1
+        reads, writes = io.reads, io.writes
+        # Out of the path: no disk I/O, and the CPU pool goes on serving.
+        fresh = keys("fresh", 4)
+        await fill(off, kv, fresh, start=40)
+        assert await off.load_prefix(fresh, [30, 31, 32, 33]) == 4
+        assert kv.holds([30, 31, 32, 33], fresh)
+        assert await off.load_prefix(ks, list(range(20, 28))) == 0
+        assert (io.reads, io.writes) == (reads, writes)
+        assert off.statistics().tiers[0].lookups_bypassed >= 1
+        # Later, one trial: the disk works again and the tier is back.
+        io.fail_reads = None
+        now[0] += 10.0
+        kv.clear(range(64))
+        assert await off.load_prefix(ks, list(range(20, 28))) == 4  # all the pool holds
+        assert kv.holds(range(20, 24), ks[:4])
+        assert off.statistics().tiers[0].breaker.state == "closed"
+
+
+async def test_a_stalled_disk_times_out_while_the_cpu_pool_serves(disk_tier_path: Path) -> None:
+    kv = KV()
+    io = FaultyIO()
+    ks = keys("s", 8)
+    async with offloader(
+        kv, disk_tier_path, cpu_blocks=8, file_io=io, io_timeout=0.05, failure_threshold=1
+    ) as off:
+        await fill(off, kv, ks[:4])
+        await fill(off, kv, ks[4:], start=4)
+        await fill(off, kv, keys("later", 4), start=8)  # ks[:4] now on disk only
+        io.read_gate.clear()  # the disk stalls
+        # The promotion hangs on the disk; the load returns what the pool has at the deadline.
+        n = await asyncio.wait_for(off.load_prefix(ks, list(range(20, 28))), 60)
+        assert n == 0 and io.reads == 0
+        stats = off.statistics()
+        assert stats.promotion_timeouts == 1
+        assert stats.tiers[0].timeouts == 1 and stats.tiers[0].breaker.state == "open"
+        assert await off.load_prefix(ks[4:], [30, 31, 32, 33]) == 4  # the pool serves
+        assert kv.holds([30, 31, 32, 33], ks[4:])
+        io.read_gate.set()
+        await off.drain()
+        assert off.statistics().manager.writing_blocks == 0
+
+
+async def test_admit_after_two_writes_a_block_on_its_second_offer(disk_tier_path: Path) -> None:
+    kv = KV()
+    ks = keys("adm", 4)
+    async with offloader(kv, disk_tier_path, cpu_blocks=8, admit_after=2) as off:
+        await fill(off, kv, ks)
+        assert off.statistics().tiers[0].blocks_written == 0
+        result = await off.store(ks, [0, 1, 2, 3])  # held by the pool: skipped, offered again
+        assert result.skipped == tuple(ks)
+        await off.drain()
+        assert off.statistics().tiers[0].blocks_written == 4
+
+
+async def test_fsync_commit_syncs_data_then_entries(disk_tier_path: Path) -> None:
+    kv = KV()
+    ks = keys("fs", 3)
+    for policy, expected in (("none", 0), ("commit", 3)):
+        io = FaultyIO()
+        root = disk_tier_path / policy
+        root.mkdir(mode=0o700)
+        async with offloader(kv, root, fsync=policy, file_io=io) as off:
+            await fill(off, kv, ks)
+            assert off.statistics().tiers[0].blocks_written == 3
+        assert io.syncs == expected  # entries cleared, payload, entries committed
+
+
+async def test_aclose_finishes_tier_writes_in_flight(disk_tier_path: Path) -> None:
+    kv = KV()
+    io = FaultyIO()
+    ks = keys("w", 4)
+    off = offloader(kv, disk_tier_path, file_io=io)
+    await off.open()
+    io.write_gate.clear()
+    kv.write([0, 1, 2, 3], ks)
+    assert (await off.store(ks, [0, 1, 2, 3])).ok  # CPU done; the disk write is held
+    assert off.statistics().tier_writes == 1
+    closing = asyncio.ensure_future(off.aclose())
+    await asyncio.sleep(0.01)
+    assert not closing.done()
+    io.write_gate.set()
+    await closing
+    async with offloader(kv, disk_tier_path) as again:
+        assert again.statistics().tiers[0].adopted_blocks == 4
+
+
+async def test_two_offloaders_share_one_directory(disk_tier_path: Path) -> None:
+    kv_a, kv_b = KV(), KV()
+    ks = keys("sh", 4)
+    async with offloader(kv_a, disk_tier_path) as a, offloader(kv_b, disk_tier_path) as b:
+        ta, tb = a.tiers[0], b.tiers[0]
+        assert isinstance(ta, DiskTier) and isinstance(tb, DiskTier)
+        assert ta.state.slab != tb.state.slab  # one writer per slab
+        await fill(a, kv_a, ks)
+        assert await b.load_prefix(ks, [10, 11, 12, 13]) == 0  # before b's refresh
+        await tb.refresh()
+        assert await b.load_prefix(ks, [10, 11, 12, 13]) == 4
+        assert kv_b.holds([10, 11, 12, 13], ks)
+        # Both write the same key: neither copy is corrupted, each reads back exact.
+        await fill(b, kv_b, keys("both", 2), start=20)
+        await fill(a, kv_a, keys("both", 2), start=20)
+        await ta.refresh()
+        assert ta.state.holds(keys("both", 1)[0]) and tb.state.holds(keys("both", 1)[0])
+    async with offloader(kv_a, disk_tier_path) as c:
+        tier = c.tiers[0]
+        assert isinstance(tier, DiskTier)
+        kv_a.clear(range(64))
+        both = keys("both", 2)
+        assert await c.load_prefix(both, [40, 41]) == 2
+        assert kv_a.holds([40, 41], both)
+
+
+async def test_a_replaced_foreign_block_is_a_stale_miss(disk_tier_path: Path) -> None:
+    kv_a, kv_b = KV(), KV()
+    old, new = keys("old", 2), keys("new", 2)
+    async with offloader(kv_a, disk_tier_path, slots=2) as a, offloader(kv_b, disk_tier_path) as b:
+        tb = b.tiers[0]
+        assert isinstance(tb, DiskTier)
+        await fill(a, kv_a, old)
+        await tb.refresh()
+        await fill(a, kv_a, new, start=2)  # a's two slots now hold other blocks
+        kv_b.clear(range(64))
+        assert await b.load_prefix(old, [10, 11]) == 0
+        stats = tb.statistics()
+        assert stats.stale_reads == 2 and stats.checksum_failures == 0
+        assert stats.foreign_blocks == 0
+
+
+async def test_settings_from_dict_build_the_disk_tier(disk_tier_path: Path) -> None:
+    kv = KV()
+    config = OffloadConfig.from_dict(
+        {
+            "cpu_bytes_to_use": 8 * kv.caches.page_bytes_per_block,
+            "tiers": [{"kind": "disk", "root": str(disk_tier_path), "capacity_bytes": "1048576",
+                       "model_id": "m", "admit_after": 1, "fsync": "commit"}],
+        },
+        gpu_block_sizes=(16,), hash_block_size=16,
+        kv_bytes_per_block=kv.caches.page_bytes_per_block,
+    )  # fmt: skip
+    assert config.tiers == (
+        DiskTierConfig(root=str(disk_tier_path), capacity_bytes=1 << 20, model_id="m",
+                       fsync="commit"),
+    )  # fmt: skip
+    from aiokvo import Offloader
+
+    ks = keys("dict", 2)
+    async with Offloader(config, kv.caches) as off:
+        assert [t.medium for t in off.tiers] == ["DISK"]
+        await fill(off, kv, ks)
+        assert off.statistics().tiers[0].blocks_written == 2
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"capacity_bytes": 0}, "capacity_bytes"),
+        ({"fsync": "always"}, "fsync"),
+        ({"admit_after": 0}, "admit_after"),
+        ({"io_timeout": -1}, "io_timeout"),
+        ({"model_id": ""}, "model_id"),
+        ({"direct_io": "yes"}, "direct_io"),
+    ],
+)
+def test_bad_settings_are_typed_errors(disk_tier_path: Path, options: dict, match: str) -> None:
+    settings = {"capacity_bytes": 1 << 20, "model_id": "m", **options}
+    with pytest.raises(ConfigError, match=match):
+        DiskTier(disk_tier_path, **settings)
+
+
+def test_a_capacity_below_one_block_is_refused_at_bind(disk_tier_path: Path) -> None:
+    kv = KV()
+    with pytest.raises(ConfigError, match="holds no block"):
+        offloader(kv, disk_tier_path, capacity_bytes=HEADER_PAGE + ENTRY_BYTES)
+
+
+def test_a_root_open_to_others_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "open"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    with pytest.raises(UnsafeFileError, match="sticky"):
+        offloader(KV(), root)
+
+
+async def test_a_symlinked_slab_file_is_refused(disk_tier_path: Path, tmp_path: Path) -> None:
+    kv = KV()
+    async with offloader(kv, disk_tier_path) as off:
+        tier = off.tiers[0]
+        assert isinstance(tier, DiskTier)
+        directory = tier.directory
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"x" * 8192)
+    (directory / "slab-0000.index").unlink()
+    (directory / "slab-0000.index").symlink_to(target)
+    async with offloader(kv, disk_tier_path) as off:
+        tier = off.tiers[0]
+        assert isinstance(tier, DiskTier)
+        assert tier.state.slab == 1  # the link was left alone, a new slab made
+        assert tier.statistics().refused_slabs >= 1
+    assert target.read_bytes() == b"x" * 8192
