@@ -428,3 +428,29 @@ async def test_a_pushgateway_push_carries_the_metrics(
     ((path, body),) = pushed
     assert path == "/metrics/job/replay"
     assert value(parse(body), "aiokvo_evicted_blocks_total", medium="CPU") == 4
+
+
+async def test_a_real_disk_tier_is_scraped_with_its_hits_and_blocks(disk_tier_path: Any) -> None:
+    """The exporter reads a real DiskTier's snapshot: no fake, no extra code."""
+    from tests.tiers.disk._util import KV as DiskKV
+    from tests.tiers.disk._util import fill
+    from tests.tiers.disk._util import keys as disk_keys
+    from tests.tiers.disk._util import offloader as disk_offloader
+
+    kv = DiskKV()
+    ks = disk_keys("m", 12)
+    async with disk_offloader(kv, disk_tier_path, cpu_blocks=8) as off:
+        async with start_metrics_server(off, 0) as server:
+            for i in range(0, 12, 4):  # the pool holds 8: the first 4 are only on disk
+                await fill(off, kv, ks[i : i + 4], start=i)
+            kv.clear(range(64))
+            assert await off.load_prefix(ks[:8], list(range(20, 28))) == 8
+            s = parse(await scrape(server.url))
+        stats = off.statistics()
+    disk = {"medium": "DISK"}
+    assert stats.hits_by_medium == {"CPU": 4, "DISK": 4}
+    assert value(s, "aiokvo_hit_blocks_total", **disk) == 4
+    assert value(s, "aiokvo_hit_blocks_total", medium="CPU") == 4
+    assert value(s, "aiokvo_pool_used_blocks", **disk) == 12
+    assert value(s, "aiokvo_breaker_state", **disk, state="closed") == 1
+    assert value(s, "aiokvo_checksum_failures_total", **disk) == 0
