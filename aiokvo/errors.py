@@ -35,6 +35,7 @@ __all__ = [
     "TierChecksumError",
     "TierError",
     "TierTimeoutError",
+    "TierUnavailableError",
     "TransferError",
     "TransferSpecError",
     "UnknownKeyError",
@@ -214,3 +215,7 @@ class TierChecksumError(TierError):
 
 class TierTimeoutError(TierError, TimeoutError):
     """A tier transfer did not finish before its deadline (``io_timeout``)."""
+
+
+class TierUnavailableError(TierError, ConnectionError):
+    """A tier's backend cannot be reached or set up (a cluster's master is down, ...)."""

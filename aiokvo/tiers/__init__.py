@@ -1,7 +1,8 @@
 """Tiers below the CPU pool: the protocol the Offloader drives, and the tiers.
 
 ``Tier`` (the protocol), ``TierStatistics``, ``CircuitBreaker``,
-``LayoutFingerprint`` and the disk tier (``DiskTier``, ``DiskTierConfig``).
+``LayoutFingerprint``, the disk tier (``DiskTier``, ``DiskTierConfig``) and the
+Mooncake tier (``MooncakeTier``, ``MooncakeTierConfig``).
 Names load lazily, so the pure parts (:mod:`aiokvo.tiers.base`,
 ``breaker``, ``admission``, ``fingerprint``, ``disk.state``) import without
 asyncio or torch. See docs/tiers.md.
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from aiokvo.tiers.disk import DiskLoadStoreSpec, DiskTier, DiskTierConfig, DiskTierStatistics
     from aiokvo.tiers.disk.files import FileIO
     from aiokvo.tiers.fingerprint import LayoutFingerprint
+    from aiokvo.tiers.mooncake import MooncakeTier, MooncakeTierConfig, MooncakeTierStatistics
     from aiokvo.tiers.registry import register_tier_kind, tier_config_from_dict
 
 __all__ = [
@@ -31,6 +33,9 @@ __all__ = [
     "DiskTierStatistics",
     "FileIO",
     "LayoutFingerprint",
+    "MooncakeTier",
+    "MooncakeTierConfig",
+    "MooncakeTierStatistics",
     "Tier",
     "TierBinding",
     "TierLoad",
@@ -50,6 +55,9 @@ _WHERE = {
     "DiskTierStatistics": "aiokvo.tiers.disk.tier",
     "FileIO": "aiokvo.tiers.disk.files",
     "LayoutFingerprint": "aiokvo.tiers.fingerprint",
+    "MooncakeTier": "aiokvo.tiers.mooncake.tier",
+    "MooncakeTierConfig": "aiokvo.tiers.mooncake.config",
+    "MooncakeTierStatistics": "aiokvo.tiers.mooncake.tier",
     "Tier": "aiokvo.tiers.base",
     "TierBinding": "aiokvo.tiers.base",
     "TierLoad": "aiokvo.tiers.base",

@@ -1,6 +1,7 @@
 """Tier kinds by name, for configs read from JSON (``OffloadConfig.from_dict``).
 
-``{"kind": "disk", ...}`` becomes a :class:`~aiokvo.tiers.disk.DiskTierConfig`;
+``{"kind": "disk", ...}`` becomes a :class:`~aiokvo.tiers.disk.DiskTierConfig`,
+``{"kind": "mooncake", ...}`` a :class:`~aiokvo.tiers.mooncake.MooncakeTierConfig`;
 another tier registers its config class with :func:`register_tier_kind`
 (a ``"module:Class"`` path, imported on first use so configs stay cheap to
 read). A config class has ``kind``, ``from_dict(mapping)`` and ``build()``
@@ -26,7 +27,10 @@ class TierConfig(Protocol):
     def build(self) -> Any: ...
 
 
-_KINDS: dict[str, str] = {"disk": "aiokvo.tiers.disk.config:DiskTierConfig"}
+_KINDS: dict[str, str] = {
+    "disk": "aiokvo.tiers.disk.config:DiskTierConfig",
+    "mooncake": "aiokvo.tiers.mooncake.config:MooncakeTierConfig",
+}
 
 
 def register_tier_kind(kind: str, path: str) -> None:

@@ -1,0 +1,130 @@
+"""How a block lives in a Mooncake cluster: its object name and its trailer (pure).
+
+**Names.** ``<key_prefix>/<fingerprint name>/<key hex>``: the layout
+fingerprint (:class:`~aiokvo.tiers.fingerprint.LayoutFingerprint`: model,
+dtype, page geometry, block size, rank, format version) is part of every
+name, so replicas of one model share their blocks and an incompatible engine
+never even asks for them; ``key_prefix`` separates deployments sharing a
+cluster.
+
+**Objects.** One object per block, written from and read into the CPU pool
+with no staging copy (Mooncake's multi-buffer batch calls): a full pool row
+of each canonical tensor the key's group uses, in order, then a 64-byte
+trailer from a small registered arena:
+
+=======  =====  ====================================================
+offset   bytes  field
+=======  =====  ====================================================
+0        8      magic ``AIOKVOMC``
+8        16     the first 16 bytes of the layout fingerprint's digest
+24       8      xxh3-64 of the :class:`~aiokvo.OffloadKey`
+32       8      payload bytes (the rows before the trailer)
+40       8      xxh3-64 of the payload
+48       8      zero (reserved)
+56       8      xxh3-64 of bytes 0..56 (the trailer's own seal)
+=======  =====  ====================================================
+
+A block read back is good only if Mooncake returned exactly payload + 64
+bytes, the trailer is sealed and names this layout, this key and this
+length, and the payload hashes to the stored checksum. xxh3 (xxhash)
+releases the GIL and runs at about 11-15 GB/s here, several times Mooncake's
+TCP throughput.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+
+import xxhash
+
+from aiokvo.keys import OffloadKey
+from aiokvo.tiers.mooncake.spec import BlockStatus
+
+__all__ = [
+    "MAGIC",
+    "TRAILER_BYTES",
+    "check_trailer",
+    "object_name",
+    "pack_trailer",
+    "payload_checksum",
+    "status_of_code",
+]
+
+MAGIC = b"AIOKVOMC"
+TRAILER_BYTES = 64
+_TRAILER = struct.Struct("<8s16sQQQQQ")
+assert _TRAILER.size == TRAILER_BYTES
+_SEALED = TRAILER_BYTES - 8
+
+
+def object_name(prefix: str, namespace: str, key: OffloadKey) -> str:
+    """The cluster object holding ``key``'s block."""
+    return f"{prefix}/{namespace}/{key.hex()}"
+
+
+def payload_checksum(buffers: Iterable[object]) -> int:
+    """xxh3-64 over ``buffers`` in order, as if they were one."""
+    hasher = xxhash.xxh3_64()
+    for buffer in buffers:
+        hasher.update(buffer)  # type: ignore[arg-type]
+    return hasher.intdigest()
+
+
+def key_digest(key: OffloadKey) -> int:
+    return xxhash.xxh3_64_intdigest(key)
+
+
+def pack_trailer(layout: bytes, key: OffloadKey, payload_bytes: int, checksum: int) -> bytes:
+    """The 64-byte trailer of ``key``'s block (``layout``: 16 bytes of the digest)."""
+    body = _TRAILER.pack(MAGIC, layout, key_digest(key), payload_bytes, checksum, 0, 0)
+    seal = xxhash.xxh3_64_intdigest(body[:_SEALED])
+    return body[:_SEALED] + seal.to_bytes(8, "little")
+
+
+def check_trailer(
+    trailer: bytes | bytearray | memoryview, layout: bytes, key: OffloadKey, payload_bytes: int
+) -> int | None:
+    """The payload checksum ``trailer`` vouches for, or None if it is not
+    ``key``'s block of this layout (torn, foreign or corrupt)."""
+    raw = bytes(trailer)
+    if len(raw) != TRAILER_BYTES:
+        return None
+    magic, digest, key_hash, length, checksum, reserved, seal = _TRAILER.unpack(raw)
+    if (
+        magic != MAGIC
+        or seal != xxhash.xxh3_64_intdigest(raw[:_SEALED])
+        or digest != layout
+        or key_hash != key_digest(key)
+        or length != payload_bytes
+        or reserved != 0
+    ):
+        return None
+    return int(checksum)
+
+
+# Mooncake's ErrorCode values (mooncake-store/include/types.h) that the tier tells apart.
+NO_AVAILABLE_HANDLE = -200
+INVALID_PARAMS = -600
+OBJECT_NOT_FOUND = -704
+LEASE_EXPIRED = -707
+TRANSFER_FAIL = -800
+RPC_FAIL = -900
+RPC_TIMEOUT = -901
+INTERNAL_ERROR = -1
+
+_STATUS = {
+    NO_AVAILABLE_HANDLE: BlockStatus.NO_SPACE,
+    INVALID_PARAMS: BlockStatus.SIZE_MISMATCH,
+    OBJECT_NOT_FOUND: BlockStatus.NOT_FOUND,
+    LEASE_EXPIRED: BlockStatus.LEASE_EXPIRED,
+    TRANSFER_FAIL: BlockStatus.TRANSFER_FAILED,
+    RPC_FAIL: BlockStatus.RPC_FAILED,
+    RPC_TIMEOUT: BlockStatus.RPC_FAILED,
+    INTERNAL_ERROR: BlockStatus.RPC_FAILED,
+}
+
+
+def status_of_code(code: int) -> BlockStatus:
+    """What a negative Mooncake return code means for one block."""
+    return _STATUS.get(code, BlockStatus.ERROR)

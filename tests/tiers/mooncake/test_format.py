@@ -1,0 +1,79 @@
+"""The object format: names, the 64-byte trailer, and what Mooncake's codes mean."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from aiokvo.tiers.mooncake.format import (
+    TRAILER_BYTES,
+    check_trailer,
+    object_name,
+    pack_trailer,
+    payload_checksum,
+    status_of_code,
+)
+from aiokvo.tiers.mooncake.spec import BlockStatus
+from tests.offloader._harness import key
+
+LAYOUT = bytes(range(16))
+
+
+def test_names_carry_the_prefix_the_layout_and_the_key() -> None:
+    k = key("a", group=3)
+    assert object_name("team/prod", "v1-abc", k) == f"team/prod/v1-abc/{k.hex()}"
+    assert k.hex().endswith("00000003")
+
+
+def test_a_trailer_vouches_for_its_key_layout_and_length_only() -> None:
+    k = key("a")
+    trailer = pack_trailer(LAYOUT, k, 4096, 0x1234)
+    assert len(trailer) == TRAILER_BYTES
+    assert check_trailer(trailer, LAYOUT, k, 4096) == 0x1234
+    assert check_trailer(trailer, bytes(16), k, 4096) is None  # another layout
+    assert check_trailer(trailer, LAYOUT, key("b"), 4096) is None  # another key
+    assert check_trailer(trailer, LAYOUT, k, 4095) is None  # another length
+    assert check_trailer(trailer[:-1], LAYOUT, k, 4096) is None  # torn
+    assert check_trailer(bytes(TRAILER_BYTES), LAYOUT, k, 4096) is None  # never written
+
+
+@pytest.mark.parametrize("offset", [0, 8, 24, 32, 40, 48, 56])
+def test_any_flipped_byte_breaks_the_seal(offset: int) -> None:
+    k = key("a")
+    trailer = bytearray(pack_trailer(LAYOUT, k, 64, 99))
+    trailer[offset] ^= 1
+    assert check_trailer(trailer, LAYOUT, k, 64) is None
+
+
+def test_a_resealed_forgery_with_another_checksum_is_read_as_that_checksum() -> None:
+    # The seal guards against torn and random damage; the payload checksum does the rest.
+    k = key("a")
+    good = pack_trailer(LAYOUT, k, 64, 1)
+    other = pack_trailer(LAYOUT, k, 64, 2)
+    assert struct.unpack_from("<Q", good, 40) != struct.unpack_from("<Q", other, 40)
+    assert check_trailer(other, LAYOUT, k, 64) == 2
+
+
+def test_the_payload_checksum_covers_every_buffer_in_order() -> None:
+    a, b = b"x" * 100, b"y" * 50
+    assert payload_checksum([a, b]) == payload_checksum([a + b])
+    assert payload_checksum([a, b]) != payload_checksum([b, a])
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (-200, BlockStatus.NO_SPACE),
+        (-600, BlockStatus.SIZE_MISMATCH),
+        (-704, BlockStatus.NOT_FOUND),
+        (-707, BlockStatus.LEASE_EXPIRED),
+        (-800, BlockStatus.TRANSFER_FAILED),
+        (-900, BlockStatus.RPC_FAILED),
+        (-901, BlockStatus.RPC_FAILED),
+        (-1, BlockStatus.RPC_FAILED),
+        (-12345, BlockStatus.ERROR),
+    ],
+)
+def test_mooncake_codes_map_to_block_outcomes(code: int, status: BlockStatus) -> None:
+    assert status_of_code(code) is status
