@@ -1,0 +1,345 @@
+"""The Mooncake tier's I/O routes: ``(CPU, MOONCAKE)`` puts and ``(MOONCAKE, CPU)`` gets.
+
+Each direction is a :class:`~aiokvo.handlers.base.SingleDirectionHandler`
+(FIFO, awaitable :class:`~aiokvo.handlers.TransferTask`\\ s, statistics) whose
+calls run on its own :class:`~aiokvo.handlers.host.dispatch.DispatchThread`:
+Mooncake's batch calls block and release the GIL, and promotions (which a
+load waits for) never queue behind write-through. The loop only checks,
+builds nothing heavier than the names, and enqueues; it never runs a call.
+
+One transfer is one batch call: ``batch_put_from_multi_buffers`` /
+``batch_get_into_multi_buffers`` with, per block, the pool row of each
+canonical tensor its group uses, straight from or into the CPU pool's
+pages (registered once; no staging copy), and its 64-byte trailer in a
+registered arena (one slot per CPU block, one arena per direction;
+:mod:`~aiokvo.tiers.mooncake.format`). A put computes each block's xxh3
+checksum first; a get verifies length, trailer and checksum of every block.
+Every block's outcome goes in the spec's
+:class:`~aiokvo.tiers.mooncake.spec.BlockReport`; a transfer with any failed
+block fails with the first error (its good blocks are still good).
+
+Deadlines: a transfer has ``io_timeout`` seconds from submission; one whose
+call has not started by then is not started (``TIMEOUT``), and a timer on
+the loop tells the tier when a transfer is overdue even while its call is
+stuck in Mooncake, so the breaker can act. The transfer itself ends only when
+the call returns: until then Mooncake may still be reading or writing those
+CPU blocks, so they stay pinned or reserved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import numpy as np
+import torch
+
+from aiokvo.errors import (
+    TierChecksumError,
+    TierError,
+    TierTimeoutError,
+    TierUnavailableError,
+    TransferSpecError,
+)
+from aiokvo.handlers.base import SingleDirectionHandler, Submission
+from aiokvo.handlers.host.dispatch import DispatchEvent, DispatchThread
+from aiokvo.handlers.task import DEFAULT_MAX_BUFFERED
+from aiokvo.keys import OffloadKey, get_offload_group_idx
+from aiokvo.plan.rows import check_ids_in_range
+from aiokvo.runtime.poller import PollerMode
+from aiokvo.specs import CPULoadStoreSpec, TransferSpec
+from aiokvo.tiers.fingerprint import LayoutFingerprint
+from aiokvo.tiers.mooncake.client import MooncakeClient
+from aiokvo.tiers.mooncake.format import (
+    INVALID_PARAMS,
+    TRAILER_BYTES,
+    check_trailer,
+    pack_trailer,
+    payload_checksum,
+    status_of_code,
+)
+from aiokvo.tiers.mooncake.spec import BlockReport, BlockStatus, MooncakeLoadStoreSpec
+
+__all__ = ["BlockRows", "MooncakeTierHandler"]
+
+Overdue = Callable[[MooncakeLoadStoreSpec], None]
+
+
+class BlockRows:
+    """Where each block's bytes are in the CPU pool, for pointer lists and checksums.
+
+    ``cpu_tensors[i]`` is the pool of canonical tensor ``i``
+    (``(num_cpu_blocks, row bytes)`` int8, rows contiguous, any row stride);
+    ``trailers`` a ``(num_cpu_blocks, 64)`` uint8 arena.
+    """
+
+    def __init__(
+        self,
+        cpu_tensors: Sequence[torch.Tensor],
+        fingerprint: LayoutFingerprint,
+        trailers: np.ndarray,
+    ) -> None:
+        if not cpu_tensors:
+            raise TransferSpecError("a Mooncake tier needs the CPU pool's tensors")
+        self.num_blocks = min(int(t.shape[0]) for t in cpu_tensors)
+        self._views = [t.numpy().view(np.uint8) for t in cpu_tensors]  # the pool: no copy
+        self._base = [int(t.data_ptr()) for t in cpu_tensors]
+        self._stride = [int(t.stride(0)) * t.element_size() for t in cpu_tensors]
+        self._width = [int(t.shape[1]) * t.element_size() for t in cpu_tensors]
+        if tuple(self._width) != fingerprint.tensor_row_bytes:
+            raise TransferSpecError(
+                f"the CPU pool's rows are {self._width} bytes, the layout's "
+                f"{list(fingerprint.tensor_row_bytes)}"
+            )
+        groups = range(len(fingerprint.group_refs))
+        self.group_tensors = [fingerprint.group_tensors(g) for g in groups]
+        self.payload = [fingerprint.payload_bytes(g) for g in groups]
+        self.layout = fingerprint.digest()[:16]
+        if trailers.shape != (self.num_blocks, TRAILER_BYTES) or trailers.dtype != np.uint8:
+            raise TransferSpecError(
+                f"the trailer arena must be ({self.num_blocks}, {TRAILER_BYTES}) uint8"
+            )
+        self.trailers = trailers
+        self._trailer_base = int(trailers.ctypes.data)
+
+    def spans(self) -> list[tuple[int, int]]:
+        """``(address, length)`` of every tensor's rows and of the arena: what to register."""
+        n = self.num_blocks
+        spans = [
+            (base, stride * (n - 1) + width)
+            for base, stride, width in zip(self._base, self._stride, self._width, strict=True)
+            if n
+        ]
+        spans.append((self._trailer_base, self.trailers.nbytes))
+        return spans
+
+    def group_of(self, key: OffloadKey) -> int:
+        group = get_offload_group_idx(key)
+        if group >= len(self.payload):
+            raise TransferSpecError(
+                f"key {key.hex()} is of KV group {group}; the layout has {len(self.payload)}"
+            )
+        return group
+
+    def object_bytes(self, key: OffloadKey) -> int:
+        """Bytes of ``key``'s object: payload and trailer."""
+        return self.payload[get_offload_group_idx(key)] + TRAILER_BYTES
+
+    def buffers(self, group: int, row: int) -> list[np.ndarray]:
+        views = self._views
+        return [views[t][row] for t in self.group_tensors[group]]
+
+    def pointers(self, group: int, row: int) -> tuple[list[int], list[int]]:
+        """The block's buffers as ``(pointers, sizes)``, trailer last."""
+        base, stride, width = self._base, self._stride, self._width
+        tensors = self.group_tensors[group]
+        ptrs = [base[t] + row * stride[t] for t in tensors]
+        sizes = [width[t] for t in tensors]
+        ptrs.append(self._trailer_base + row * TRAILER_BYTES)
+        sizes.append(TRAILER_BYTES)
+        return ptrs, sizes
+
+
+class MooncakeTierHandler(SingleDirectionHandler):
+    """One direction between the CPU pool and the cluster; see the module.
+
+    ``on_overdue`` is called on the loop when a transfer passes its
+    deadline; ``dispatcher`` runs the calls (default: a thread of its own).
+    """
+
+    def __init__(
+        self,
+        rows: BlockRows,
+        client: MooncakeClient,
+        *,
+        to_cluster: bool,
+        io_timeout: float,
+        on_overdue: Overdue,
+        dispatcher: DispatchThread | None = None,
+        poller_mode: PollerMode | None = None,
+        max_buffered: int = DEFAULT_MAX_BUFFERED,
+    ) -> None:
+        super().__init__(
+            ("CPU", "MOONCAKE") if to_cluster else ("MOONCAKE", "CPU"),
+            poller_mode=poller_mode,
+            max_buffered=max_buffered,
+        )
+        self.to_cluster = to_cluster
+        self.io_timeout = io_timeout
+        self._rows = rows
+        self._client = client
+        self._on_overdue = on_overdue
+        self._owns_dispatcher = dispatcher is None
+        name = "aiokvo-mooncake-put" if to_cluster else "aiokvo-mooncake-get"
+        self._dispatch = dispatcher or DispatchThread(name)
+        self._lane = (type(self).__name__, name, id(self))
+
+    @property
+    def dispatcher(self) -> DispatchThread:
+        return self._dispatch
+
+    # ------------------------------------------------------------------ submit
+    def _submit(self, job_id: int, spec: TransferSpec) -> Submission:
+        src, dst = self._check_route(spec)
+        cpu, remote = (src, dst) if self.to_cluster else (dst, src)
+        if not isinstance(cpu, CPULoadStoreSpec) or not isinstance(remote, MooncakeLoadStoreSpec):
+            raise TransferSpecError(
+                "a Mooncake transfer pairs a CPULoadStoreSpec with a MooncakeLoadStoreSpec, "
+                f"got {spec!r}"
+            )
+        n = len(remote)
+        if len(cpu) != n:
+            raise TransferSpecError(f"{n} Mooncake blocks need {n} CPU blocks, got {len(cpu)}")
+        rows = self._rows
+        check_ids_in_range(cpu.block_ids, rows.num_blocks, "CPU block id", "Mooncake transfer")
+        block_rows = cpu.block_ids.tolist()
+        if len(set(block_rows)) != n:
+            raise TransferSpecError(f"a Mooncake transfer names a CPU block twice: {block_rows}")
+        groups = [rows.group_of(key) for key in remote.keys]
+        total = sum(rows.payload[g] for g in groups)
+        deadline = time.monotonic() + self.io_timeout
+        job = self._put if self.to_cluster else self._get
+        event = DispatchEvent()  # no patience: the loop never runs a Mooncake call
+        self._dispatch.submit(partial(job, remote, groups, block_rows, deadline), event)
+        timer = asyncio.get_running_loop().call_later(
+            self.io_timeout, self._overdue, remote, event
+        )
+        return Submission(
+            source=event,
+            transfer_size=total,
+            lane=self._lane,
+            elapsed=event.elapsed,
+            release=timer.cancel,
+        )
+
+    def _overdue(self, remote: MooncakeLoadStoreSpec, event: DispatchEvent) -> None:
+        if not event.query():
+            self._on_overdue(remote)
+
+    # --------------------------------------------------------------- the calls
+    def _start(self, report: BlockReport, deadline: float) -> None:
+        if time.monotonic() > deadline:
+            report.fail_all(
+                BlockStatus.TIMEOUT,
+                TierTimeoutError(
+                    f"Mooncake {'put' if self.to_cluster else 'get'} passed its deadline "
+                    f"({self.io_timeout} s) before its call started"
+                ),
+            )
+            raise report.error  # type: ignore[misc]
+
+    def _call(
+        self,
+        call: Callable[[list[str], list[list[int]], list[list[int]]], list[int]],
+        remote: MooncakeLoadStoreSpec,
+        ptrs: list[list[int]],
+        sizes: list[list[int]],
+    ) -> list[int]:
+        report = remote.report
+        try:
+            codes = call(list(remote.names), ptrs, sizes)
+        except TierUnavailableError as exc:
+            report.fail_all(BlockStatus.RPC_FAILED, exc)
+            raise
+        except Exception as exc:
+            report.fail_all(BlockStatus.ERROR, exc)
+            raise
+        if len(codes) != len(remote):
+            error = TierError(f"Mooncake answered {len(codes)} codes for {len(remote)} objects")
+            report.fail_all(BlockStatus.ERROR, error)
+            raise error
+        report.codes[:] = codes
+        return codes
+
+    def _put(
+        self, remote: MooncakeLoadStoreSpec, groups: list[int], block_rows: list[int],
+        deadline: float,
+    ) -> tuple[()]:  # fmt: skip
+        """On the put thread: checksum and trailer per block, then one batch put."""
+        report, rows = remote.report, self._rows
+        self._start(report, deadline)
+        trailers, layout = rows.trailers, rows.layout
+        all_ptrs: list[list[int]] = []
+        all_sizes: list[list[int]] = []
+        for key, group, row in zip(remote.keys, groups, block_rows, strict=True):
+            checksum = payload_checksum(rows.buffers(group, row))
+            trailer = pack_trailer(layout, key, rows.payload[group], checksum)
+            trailers[row] = np.frombuffer(trailer, dtype=np.uint8)
+            ptrs, sizes = rows.pointers(group, row)
+            all_ptrs.append(ptrs)
+            all_sizes.append(sizes)
+        codes = self._call(self._client.put, remote, all_ptrs, all_sizes)
+        for i, code in enumerate(codes):
+            if code == 0:
+                report.status[i] = BlockStatus.OK
+                continue
+            status = BlockStatus.ERROR if code == INVALID_PARAMS else status_of_code(code)
+            report.fail(i, status, _code_error("put", remote.names[i], code, status))
+        if report.error is not None:
+            raise report.error
+        return ()
+
+    def _get(
+        self, remote: MooncakeLoadStoreSpec, groups: list[int], block_rows: list[int],
+        deadline: float,
+    ) -> tuple[()]:  # fmt: skip
+        """On the get thread: one batch get, then length, trailer and checksum per block."""
+        report, rows = remote.report, self._rows
+        self._start(report, deadline)
+        all_ptrs: list[list[int]] = []
+        all_sizes: list[list[int]] = []
+        for group, row in zip(groups, block_rows, strict=True):
+            ptrs, sizes = rows.pointers(group, row)
+            all_ptrs.append(ptrs)
+            all_sizes.append(sizes)
+        codes = self._call(self._client.get, remote, all_ptrs, all_sizes)
+        trailers, layout = rows.trailers, rows.layout
+        for i, (key, group, row, code) in enumerate(
+            zip(remote.keys, groups, block_rows, codes, strict=True)
+        ):
+            name = remote.names[i]
+            if code < 0:
+                status = status_of_code(code)
+                report.fail(i, status, _code_error("get", name, code, status))
+                continue
+            payload = rows.payload[group]
+            if code != payload + TRAILER_BYTES:
+                report.fail(
+                    i, BlockStatus.SIZE_MISMATCH,
+                    TierError(f"Mooncake get of {name} read {code} bytes, the block has "
+                              f"{payload + TRAILER_BYTES}"),
+                )  # fmt: skip
+                continue
+            expected = check_trailer(trailers[row].data, layout, key, payload)
+            if expected is None:
+                report.fail(
+                    i, BlockStatus.BAD_TRAILER,
+                    TierChecksumError(f"Mooncake object {name} does not carry this block's "
+                                      "trailer (another layout or key, or torn)"),
+                )  # fmt: skip
+                continue
+            found = payload_checksum(rows.buffers(group, row))
+            if found != expected:
+                report.fail(
+                    i, BlockStatus.CHECKSUM,
+                    TierChecksumError(f"Mooncake object {name}: checksum {found:#018x}, "
+                                      f"its writer stored {expected:#018x}"),
+                )  # fmt: skip
+                continue
+            report.status[i] = BlockStatus.OK
+        if report.error is not None:
+            raise report.error
+        return ()
+
+    async def _close_backend(self) -> None:
+        if self._owns_dispatcher:
+            self._dispatch.shutdown()
+
+
+def _code_error(what: str, name: str, code: int, status: BlockStatus) -> TierError:
+    message = f"Mooncake {what} of {name} returned {code} ({status.name})"
+    if status is BlockStatus.RPC_FAILED:
+        return TierUnavailableError(message)
+    return TierError(message)
