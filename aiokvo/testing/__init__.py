@@ -8,7 +8,9 @@ this package holds what a test imports directly:
 * :func:`make_kv_caches` and :class:`KVCaches` (:mod:`aiokvo.testing.kv`,
   needs torch);
 * :func:`probe_gpus`, :class:`GpuInfo`, :class:`GpuInventory`
-  (:mod:`aiokvo.testing.gpu`).
+  (:mod:`aiokvo.testing.gpu`);
+* :func:`missing_mooncake` and :func:`require_mooncake`
+  (:mod:`aiokvo.testing.mooncake`).
 
 Names resolve lazily, so the plugin's import at pytest start-up loads
 neither torch nor CUDA.
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from aiokvo.testing.gpu import GpuInfo, GpuInventory, probe_gpus
     from aiokvo.testing.kv import KVCaches, make_kv_caches
     from aiokvo.testing.leaks import assert_no_leaks, drain, leaked_threads
+    from aiokvo.testing.mooncake import missing_mooncake, require_mooncake
 
 __all__ = [
     "GpuInfo",
@@ -32,13 +35,16 @@ __all__ = [
     "drain",
     "leaked_threads",
     "make_kv_caches",
+    "missing_mooncake",
     "probe_gpus",
+    "require_mooncake",
 ]
 
 _WHERE = {
     "GpuInfo": "gpu", "GpuInventory": "gpu", "probe_gpus": "gpu",
     "KVCaches": "kv", "make_kv_caches": "kv",
     "assert_no_leaks": "leaks", "drain": "leaks", "leaked_threads": "leaks",
+    "missing_mooncake": "mooncake", "require_mooncake": "mooncake",
 }
 
 

@@ -15,13 +15,15 @@ off. What it adds (docs/testing.md has the walk-through):
   one test on both. Without the option the plugin leaves the loop alone.
 * **Fixtures**: ``kv_caches`` (a factory of engine-shaped KV caches, CPU or
   GPU), ``fake_cuda_driver`` (the CUDA backend without a GPU),
-  ``disk_tier_path`` (an owner-only directory for a disk tier) and
-  ``aiokvo_leak_check`` (fails the test if it left ``aiokvo-*`` threads
-  running); the helpers ``aiokvo.testing.drain`` and ``assert_no_leaks``.
+  ``disk_tier_path`` (an owner-only directory for a disk tier),
+  ``mooncake_cluster`` (a factory of throwaway Mooncake clusters on loopback,
+  a master and storage-node processes stopped by pid after the test; skips
+  naming what is missing, fails on CI) and ``aiokvo_leak_check`` (fails the
+  test if it left ``aiokvo-*`` threads running); the helpers
+  ``aiokvo.testing.drain`` and ``assert_no_leaks``.
 
 Coming with the features they need (not here yet): an ``offloader`` fixture
-(with the Offloader) and a throwaway local Mooncake cluster fixture (with
-the Mooncake tier, when Mooncake is installed).
+(with the Offloader).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from aiokvo.testing.loops import LOOP_NAMES, LoopFactories
 if TYPE_CHECKING:
     from aiokvo.device.fake import FakeDriver
     from aiokvo.testing.kv import KVCaches
+    from aiokvo.testing.mooncake import ClusterFactory
 
 INI_LOOPS = "aiokvo_loop_factories"
 GPU_MARKERS = ("gpu", "multi_gpu", "min_gpu_memory")
@@ -174,6 +177,28 @@ def disk_tier_path(tmp_path: Path) -> Path:
     if stat.S_IMODE(info.st_mode) != 0o700:  # private_directory refuses group/other bits
         raise AssertionError(f"{path} has mode {stat.S_IMODE(info.st_mode):04o}, not 0700")
     return path
+
+
+@pytest.fixture
+def mooncake_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[ClusterFactory]:
+    """A factory of throwaway Mooncake clusters: ``mooncake_cluster(nodes=2, ...)``.
+
+    Each call starts a :class:`~aiokvo.tiers.mooncake.LocalCluster` (keywords
+    as there: ``segment_size``, ``lease_ttl``, ``client_ttl``, ``metadata``,
+    ...) on free loopback ports, its logs under ``tmp_path``; every one is
+    stopped by pid when the test ends. Without Mooncake (the package, or the
+    system libraries it loads) the test is skipped naming what is missing,
+    and fails instead on CI (``CI=true``) or with ``AIOKVO_REQUIRE_MOONCAKE=1``.
+    """
+    from aiokvo.testing.mooncake import ClusterFactory
+
+    factory = ClusterFactory(tmp_path, monkeypatch.setenv)
+    try:
+        yield factory
+    finally:
+        factory.stop()
 
 
 @pytest.fixture
