@@ -9,7 +9,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # The vLLM the integration is tested against (aiokvo[vllm] pins the same range).
 VLLM_VERSION := 0.32.0
 
-.PHONY: demo test lint unit test-vllm bench bench-vllm bench-peer clean
+.PHONY: demo test lint unit system-deps test-vllm bench bench-vllm bench-peer clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,7 +27,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check aiokvo tests benchmarks examples
 	$(BIN)/mypy --strict aiokvo
 
-unit: $(STAMP)
+# The Debian libraries Mooncake loads (the Mooncake tier's tests start a real cluster):
+# installed with apt-get when running as root, otherwise named (scripts/system_deps.sh).
+system-deps:
+	bash scripts/system_deps.sh
+
+unit: $(STAMP) system-deps
 	$(BIN)/pytest -q
 
 # vLLM's CPU build in its own venv (scripts/vllm_venv.sh): the integration tests, the

@@ -55,6 +55,9 @@ __all__ = ["LocalCluster", "StorageNode", "free_port", "master_binary"]
 
 Metadata = Literal["p2p", "http"]
 
+MIN_SEGMENT = 16 << 20
+"""The smallest segment Mooncake's allocator takes (``setup()`` fails with -600 below)."""
+
 QUIET_ENV: Mapping[str, str] = {"GLOG_minloglevel": "2", "MC_LOG_LEVEL": "ERROR"}
 """Children's logging: the master obeys glog's level, clients Mooncake's own."""
 
@@ -119,7 +122,7 @@ class StorageNode:
 class LocalCluster:
     """A master and ``nodes`` storage nodes on loopback; see the module docstring.
 
-    ``segment_size`` bytes per node; ``lease_ttl`` (seconds) the master's read
+    ``segment_size`` bytes per node (at least 16 MiB); ``lease_ttl`` (seconds) the master's read
     lease, ``client_ttl`` (whole seconds) how long a silent client keeps its
     segments, ``eviction_high_watermark`` when the master starts evicting;
     ``master_args`` more ``mooncake_master`` flags; ``env`` more environment
@@ -143,7 +146,7 @@ class LocalCluster:
         python: str = sys.executable,
     ) -> None:
         self.num_nodes = check_int("nodes", nodes, minimum=0)
-        self.segment_size = check_int("segment_size", segment_size, minimum=1 << 20)
+        self.segment_size = check_int("segment_size", segment_size, minimum=MIN_SEGMENT)
         self.metadata: Metadata = check_choice("metadata", metadata, ("p2p", "http"))
         flags = list(master_args)
         if lease_ttl is not None:

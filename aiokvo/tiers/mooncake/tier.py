@@ -407,6 +407,7 @@ class MooncakeTier(Tier):
                 asyncio.shield(batch.future), self.config.lookup_timeout
             )
         except TimeoutError:
+            self._lookup_overdue(batch)  # counted now, whichever timer fired first
             return None
         return None if answers is None else answers[start : start + len(names)]
 
@@ -427,7 +428,7 @@ class MooncakeTier(Tier):
         call.add_done_callback(partial(self._lookup_done, batch, timer))
 
     def _lookup_overdue(self, batch: _LookupBatch) -> None:
-        if batch.future.done():
+        if batch.future.done() or batch.timed_out:
             return
         batch.timed_out = True
         self._lookup_timeouts += 1

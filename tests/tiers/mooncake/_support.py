@@ -50,3 +50,47 @@ async def eventually(check: Callable[[], bool], what: str, timeout: float = 30.0
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+class PagesKV:
+    """Like :class:`~tests.offloader._harness.KV`, with pages of any size: ``layers``
+    tensors of ``(num_blocks, page)`` int8 whose rows are a function of the key."""
+
+    def __init__(self, num_blocks: int = 64, *, page: int = 64 << 10, layers: int = 2) -> None:
+        import torch
+
+        from aiokvo import CanonicalKVCaches
+
+        self.page_bytes = page
+        self.layers = [torch.zeros(num_blocks, page, dtype=torch.int8) for _ in range(layers)]
+        self.caches = CanonicalKVCaches.from_engine([self.layers])
+
+    def page(self, key: bytes, layer: int) -> Any:
+        import numpy as np
+
+        seed = int.from_bytes(key[:8], "little") ^ layer
+        return np.random.default_rng(seed).integers(-128, 128, self.page_bytes, dtype=np.int8)
+
+    def write(self, blocks: list[int], ks: list[bytes]) -> None:
+        for block, k in zip(blocks, ks, strict=True):
+            for layer, tensor in enumerate(self.layers):
+                tensor[block].numpy()[:] = self.page(k, layer)
+
+    def holds(self, blocks: list[int], ks: list[bytes]) -> bool:
+        import numpy as np
+
+        return all(
+            np.array_equal(tensor[block].numpy(), self.page(k, layer))
+            for block, k in zip(blocks, ks, strict=True)
+            for layer, tensor in enumerate(self.layers)
+        )
+
+    def config(self, cpu_blocks: int) -> Any:
+        from aiokvo import OffloadConfig
+
+        return OffloadConfig(
+            gpu_block_sizes=(16,),
+            hash_block_size=16,
+            kv_bytes_per_block=self.caches.page_bytes_per_block,
+            cpu_bytes_to_use=cpu_blocks * self.caches.page_bytes_per_block,
+        )
