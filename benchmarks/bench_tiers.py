@@ -1,6 +1,7 @@
-"""The disk tier against the disk's own ceiling, and what it buys a prefix-reuse stream.
+"""The tiers against their own ceilings, and what they buy a prefix-reuse stream.
 
 Run:  .venv/bin/python benchmarks/bench_tiers.py [--dir DIR] [--mib 512] [--rounds 3]
+                                                 [--mooncake local|HOST:PORT|off]
 
 1. **Throughput, side by side on one directory.** For each block size, the
    same CPU-pool rows are written and read back four ways, interleaved in
@@ -13,6 +14,20 @@ Run:  .venv/bin/python benchmarks/bench_tiers.py [--dir DIR] [--mib 512] [--roun
 2. **Replay.** A Zipf prefix-reuse stream whose working set is 10x the CPU
    pool, served by an Offloader with the CPU pool alone, then with a disk
    tier below it: hit rate and requests/s.
+3. **Mooncake throughput, side by side on one cluster** (``--mooncake local``,
+   the default when Mooncake is installed, starts a loopback cluster: one
+   storage-node process; ``HOST:PORT`` uses a running master with P2P
+   metadata). The same CPU-pool rows (one canonical tensor, so a block is one
+   buffer) are put and got four ways, interleaved in every round, fresh keys
+   each round: raw ``batch_put_from`` / ``batch_get_into`` from a second
+   client of the same process (no checksum, no trailer), then the Mooncake
+   tier's ``(CPU, MOONCAKE)`` and ``(MOONCAKE, CPU)`` transfers through the
+   worker (trailers and xxh3 checksums written and verified). Ratio per round,
+   median as the headline.
+4. **Cross-instance hits.** Two engine replicas (two Offloaders, each with its
+   own small CPU pool) replay overlapping prefix traces (one Zipf population
+   of shared prefixes, each replica its own draw), interleaved: hit rate of
+   each with its CPU pool alone, then with one Mooncake tier below both.
 """
 
 from __future__ import annotations
@@ -180,6 +195,13 @@ async def main_async(args: argparse.Namespace) -> None:
     base.mkdir(mode=0o700, exist_ok=True)
     print(f"# bench_tiers: {args.mib} MiB per pass, {args.rounds} rounds, in {base}")
     print(f"# {sys.version.split()[0]}, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs\n")
+    if not args.no_disk:
+        await disk_sections(args, base)
+    if args.mooncake != "off":
+        await mooncake_section(args)
+
+
+async def disk_sections(args: argparse.Namespace, base: Path) -> None:
     print("| block | round | raw write GB/s | tier write GB/s | write ratio | raw read GB/s "
           "| tier read GB/s | read ratio |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
@@ -195,6 +217,205 @@ async def main_async(args: argparse.Namespace) -> None:
         print(f"| {name} | {hit:.1%} | {rate:.0f} |")
 
 
+# -- Mooncake ------------------------------------------------------------------------
+
+
+def mooncake_layout(block_bytes: int, gpu_blocks: int = 4) -> CanonicalKVCaches:
+    """One canonical tensor (vLLM's cross-layer layout): a block is one buffer."""
+    return CanonicalKVCaches.from_engine([torch.zeros(gpu_blocks, block_bytes, dtype=torch.int8)])
+
+
+async def mooncake_throughput(
+    settings: dict[str, object], block_bytes: int, total: int, rounds: int
+) -> list[str]:
+    from mooncake.store import MooncakeDistributedStore
+
+    from aiokvo.tiers.mooncake import MooncakeTier
+
+    n = total // block_bytes
+    kv = mooncake_layout(block_bytes)
+    config = OffloadConfig(
+        gpu_block_sizes=(16,), hash_block_size=16,
+        kv_bytes_per_block=kv.page_bytes_per_block, cpu_bytes_to_use=n * block_bytes,
+    )  # fmt: skip
+    tier = MooncakeTier(model_id=f"bench-{block_bytes}", **settings)  # type: ignore[arg-type]
+    raw = MooncakeDistributedStore()
+    rc = raw.setup(
+        "127.0.0.1", settings["metadata_server"], 0, 16 << 20, "tcp", "",
+        settings["master_server_addr"],
+    )  # fmt: skip
+    assert rc == 0, f"raw client setup() returned {rc}"
+    lines = []
+    job = [20_000_000]
+    try:
+        async with Offloader(config, kv, tiers=[tier]) as off:
+            await off.open()
+            assert tier.statistics().connected, "the Mooncake tier did not connect"
+            (pool,) = off.spec.cpu_tensors  # type: ignore[attr-defined]
+            pool.copy_(torch.randint(-128, 127, pool.shape, dtype=torch.int8))
+            assert raw.register_buffer(pool.data_ptr(), pool.numel()) == 0
+            ptrs = [pool.data_ptr() + b * block_bytes for b in range(n)]
+            ids = CPULoadStoreSpec(np.arange(n))
+            loop = asyncio.get_running_loop()
+
+            def raw_call(call: object, names: list[str]) -> float:
+                start = time.perf_counter()
+                codes = call(names, ptrs, [block_bytes] * n)  # type: ignore[operator]
+                elapsed = time.perf_counter() - start
+                assert all(c >= 0 for c in codes), sorted(set(codes))
+                return elapsed
+
+            async def tier_write(keys: list) -> float:  # type: ignore[type-arg]
+                store = tier.prepare_store(keys)
+                assert store is not None and len(store.keys) == n
+                job[0] += 1
+                start = time.perf_counter()
+                result = await off.worker.transfer_async(job[0], (ids, store.spec))
+                elapsed = time.perf_counter() - start
+                tier.complete_store(store, result)
+                assert result.success, result
+                return elapsed
+
+            async def tier_read(keys: list) -> float:  # type: ignore[type-arg]
+                load = tier.prepare_load(keys)
+                assert load is not None
+                job[0] += 1
+                start = time.perf_counter()
+                result = await off.worker.transfer_async(job[0], (load.spec, ids))
+                elapsed = time.perf_counter() - start
+                assert len(tier.complete_load(load, result)) == n and result.success, result
+                return elapsed
+
+            ratios_w, ratios_r = [], []
+            for r in range(rounds + 1):  # round 0 warms the node's fresh segment memory
+                keys = [make_offload_key(hashlib.sha256(b"mc%d-%d" % (r, i)).digest(), 0)
+                        for i in range(n)]  # fmt: skip
+                names = [f"bench-raw/{block_bytes}/{r}/{i}" for i in range(n)]
+                rw = await loop.run_in_executor(None, raw_call, raw.batch_put_from, names)
+                tw = await tier_write(keys)
+                rr = await loop.run_in_executor(None, raw_call, raw.batch_get_into, names)
+                tr = await tier_read(keys)
+                raw.remove_all(True)  # room for the next round (the tier's objects too)
+                if r == 0:
+                    continue
+                gb = n * block_bytes / 1e9
+                ratios_w.append(rw / tw)
+                ratios_r.append(rr / tr)
+                lines.append(
+                    f"| {block_bytes // 1024} KiB | {r} | {gb / rw:.2f} | {gb / tw:.2f} | "
+                    f"{rw / tw:.2f}x | {gb / rr:.2f} | {gb / tr:.2f} | {rr / tr:.2f}x |"
+                )
+            lines.append(
+                f"| {block_bytes // 1024} KiB | median | | | "
+                f"**{statistics.median(ratios_w):.2f}x** | | | "
+                f"**{statistics.median(ratios_r):.2f}x** |"
+            )
+    finally:
+        raw.close()
+    return lines
+
+
+def prefix_traces(
+    replicas: int, *, prefixes: int, length: int, requests: int, seed: int
+) -> list[list[list[bytes]]]:
+    """Per replica, a request stream over one shared Zipf population of prefixes
+    (each replica its own draw), plus two blocks of each request's own."""
+    population = [[make_offload_key(hashlib.sha256(b"sp%d-%d" % (p, i)).digest(), 0)
+                   for i in range(length)] for p in range(prefixes)]  # fmt: skip
+    weights = [1 / (i + 1) ** 0.8 for i in range(prefixes)]
+    traces = []
+    for replica in range(replicas):
+        rng = random.Random(seed + replica)
+        stream = []
+        for r in range(requests):
+            own = [make_offload_key(hashlib.sha256(b"own%d-%d-%d" % (replica, r, i)).digest(), 0)
+                   for i in range(2)]  # fmt: skip
+            stream.append(rng.choices(population, weights)[0] + own)
+        traces.append(stream)
+    return traces
+
+
+async def mooncake_sharing(
+    settings: dict[str, object] | None, *, pool: int, requests: int, seed: int
+) -> list[tuple[float, int]]:
+    """Hit rate and Mooncake hits of each of two replicas replaying their traces."""
+    from aiokvo.tiers.mooncake import MooncakeTier
+
+    block = 64 << 10
+    traces = prefix_traces(2, prefixes=4 * pool // 8, length=8, requests=requests, seed=seed)
+    offloaders = []
+    for _ in traces:
+        kv = mooncake_layout(block, gpu_blocks=16)
+        config = OffloadConfig(
+            gpu_block_sizes=(16,), hash_block_size=16,
+            kv_bytes_per_block=kv.page_bytes_per_block, cpu_bytes_to_use=pool * block,
+        )  # fmt: skip
+        tiers = [] if settings is None else [
+            MooncakeTier(model_id="bench-sharing", key_prefix=f"bench-{seed}", **settings)  # type: ignore[arg-type]
+        ]  # fmt: skip
+        offloaders.append(Offloader(config, kv, tiers=tiers))
+    try:
+        for off in offloaders:
+            await off.open()
+        for step in range(requests):
+            for off, trace in zip(offloaders, traces, strict=True):
+                keys = trace[step]
+                ids = list(range(len(keys)))
+                await off.load_prefix(keys, ids)
+                await off.store(keys, ids)
+                await off.drain()  # the write-through lands before the other replica asks
+        out = []
+        for off in offloaders:
+            snap = off.statistics()
+            hit = snap.hit_blocks / (snap.hit_blocks + snap.miss_blocks)
+            out.append((hit, snap.hits_by_medium.get("MOONCAKE", 0)))
+        return out
+    finally:
+        for off in offloaders:
+            await off.aclose()
+
+
+async def mooncake_section(args: argparse.Namespace) -> None:
+    from aiokvo.tiers.mooncake import LocalCluster
+
+    cluster: LocalCluster | None = None
+    if args.mooncake == "local":
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        cluster = LocalCluster(nodes=1, segment_size=args.mooncake_segment_mib << 20).start()
+        settings: dict[str, object] = cluster.tier_settings()
+        where = f"a loopback cluster (1 storage node, {args.mooncake_segment_mib} MiB)"
+    else:
+        settings = {"master_server_addr": args.mooncake, "metadata_server": "P2PHANDSHAKE"}
+        where = f"the cluster at {args.mooncake}"
+    try:
+        print(f"\n## Mooncake, on {where}\n")
+        print("| block | round | raw put GB/s | tier put GB/s | put ratio | raw get GB/s "
+              "| tier get GB/s | get ratio |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|")
+        for kib in args.mooncake_blocks:
+            for line in await mooncake_throughput(settings, kib << 10, args.mib << 20,
+                                                  args.rounds):  # fmt: skip
+                print(line)
+        print("\n| two replicas, overlapping prefix traces | replica A hit rate "
+              "| replica B hit rate | hits from Mooncake (A, B) |")  # fmt: skip
+        print("|---|---|---|---|")
+        runs = (("CPU pools alone", None), ("with the Mooncake tier", settings))
+        for name, tier_settings in runs:
+            (a, ma), (b, mb) = await mooncake_sharing(
+                tier_settings, pool=args.pool, requests=args.requests, seed=1
+            )
+            print(f"| {name} | {a:.1%} | {b:.1%} | {ma}, {mb} |")
+    finally:
+        if cluster is not None:
+            cluster.stop()
+
+
+def _mooncake_default() -> str:
+    import importlib.util
+
+    return "local" if importlib.util.find_spec("mooncake") is not None else "off"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default=None, help="directory on the disk to measure")
@@ -203,6 +424,13 @@ def main() -> None:
     p.add_argument("--blocks", type=int, nargs="+", default=[256, 1024], help="KiB")
     p.add_argument("--pool", type=int, default=64, help="CPU pool blocks for the replay")
     p.add_argument("--requests", type=int, default=600)
+    p.add_argument("--no-disk", action="store_true", help="skip the disk sections")
+    p.add_argument(
+        "--mooncake", default=_mooncake_default(),
+        help="'local' (start a loopback cluster), a master HOST:PORT, or 'off'",
+    )  # fmt: skip
+    p.add_argument("--mooncake-blocks", type=int, nargs="+", default=[512, 2048], help="KiB")
+    p.add_argument("--mooncake-segment-mib", type=int, default=1024)
     aiokvo.run(main_async(p.parse_args()))
 
 

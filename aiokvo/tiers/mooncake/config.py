@@ -84,6 +84,13 @@ class MooncakeTierConfig:
     counts. ``admit_after`` offers before a block is written;
     ``max_write_blocks`` CPU blocks pinned by writes in flight at most
     (default half the pool).
+
+    Throughput: ``checksum_threads`` threads compute (before a put) and
+    verify (after a get) a transfer's checksums together; with
+    ``pipeline_bytes`` a larger transfer is split into batch calls of about
+    that size, each overlapped with the next one's checksums (default None:
+    one call per transfer, which measured best on a 2-core host;
+    benchmarks/RESULTS.md).
     """
 
     master_server_addr: str
@@ -116,6 +123,8 @@ class MooncakeTierConfig:
     index_ttl: float = 10.0
     max_tracked: int = 64_000
     max_write_blocks: int | None = None
+    pipeline_bytes: int | None = None
+    checksum_threads: int = 2
 
     kind = "mooncake"
 
@@ -158,6 +167,7 @@ class MooncakeTierConfig:
             ("setup_retries", 1, 1000),
             ("failure_threshold", 1, None),
             ("max_tracked", 1, None),
+            ("checksum_threads", 1, 64),
         ):
             value = check_int(name, getattr(self, name), minimum=minimum, maximum=maximum)
             object.__setattr__(self, name, value)
@@ -171,11 +181,10 @@ class MooncakeTierConfig:
                 f"max_reset_after={self.max_reset_after!r} is below "
                 f"reset_after={self.reset_after!r}"
             )
-        if self.max_write_blocks is not None:
-            object.__setattr__(
-                self, "max_write_blocks",
-                check_int("max_write_blocks", self.max_write_blocks, minimum=1),
-            )  # fmt: skip
+        for name in ("max_write_blocks", "pipeline_bytes"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, check_int(name, value, minimum=1))
 
     @property
     def effective_rpc_timeout(self) -> float:
@@ -230,6 +239,7 @@ class MooncakeTierConfig:
 _INT_FIELDS = (
     "global_segment_size", "local_buffer_size", "client_http_port", "replica_num",
     "admit_after", "setup_retries", "failure_threshold", "max_tracked", "max_write_blocks",
+    "pipeline_bytes", "checksum_threads",
 )  # fmt: skip
 _SECONDS_FIELDS = (
     "io_timeout", "lookup_timeout", "setup_timeout", "rpc_timeout", "reset_after",

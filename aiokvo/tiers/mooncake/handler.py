@@ -7,16 +7,21 @@ Mooncake's batch calls block and release the GIL, and promotions (which a
 load waits for) never queue behind write-through. The loop only checks,
 builds nothing heavier than the names, and enqueues; it never runs a call.
 
-One transfer is one batch call: ``batch_put_from_multi_buffers`` /
-``batch_get_into_multi_buffers`` with, per block, the pool row of each
-canonical tensor its group uses, straight from or into the CPU pool's
-pages (registered once; no staging copy), and its 64-byte trailer in a
-registered arena (one slot per CPU block, one arena per direction;
+A transfer is one batch call (``batch_put_from_multi_buffers`` /
+``batch_get_into_multi_buffers``) with, per block, the pool row of each
+canonical tensor its group uses, straight from or into the CPU pool's pages
+(registered once; no staging copy), and its 64-byte trailer in a registered
+arena (one slot per CPU block, one arena per direction;
 :mod:`~aiokvo.tiers.mooncake.format`). A put computes each block's xxh3
-checksum first; a get verifies length, trailer and checksum of every block.
-Every block's outcome goes in the spec's
-:class:`~aiokvo.tiers.mooncake.spec.BlockReport`; a transfer with any failed
-block fails with the first error (its good blocks are still good).
+checksum before its call, a get verifies length, trailer and checksum of
+every block after it, on ``checksum_threads`` threads together. With
+``pipeline_bytes``, a larger transfer is split into calls of about that
+size, and a helper thread runs one chunk's call (put) or verification (get)
+while the handler's thread works on the next. Every block's outcome goes in
+the spec's :class:`~aiokvo.tiers.mooncake.spec.BlockReport`; a transfer with
+any failed block fails with the first error (its good blocks are still
+good). A chunk whose call fails as a whole stops the transfer: the chunks
+after it are not tried.
 
 Deadlines: a transfer has ``io_timeout`` seconds from submission; one whose
 call has not started by then is not started (``TIMEOUT``), and a timer on
@@ -31,11 +36,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 import numpy as np
 import torch
 
+from aiokvo._util import check_int
 from aiokvo.errors import (
     TierChecksumError,
     TierError,
@@ -60,7 +67,7 @@ from aiokvo.tiers.mooncake.format import (
     payload_checksum,
     status_of_code,
 )
-from aiokvo.tiers.mooncake.spec import BlockReport, BlockStatus, MooncakeLoadStoreSpec
+from aiokvo.tiers.mooncake.spec import BlockStatus, MooncakeLoadStoreSpec
 
 __all__ = ["BlockRows", "MooncakeTierHandler"]
 
@@ -147,6 +154,10 @@ class MooncakeTierHandler(SingleDirectionHandler):
 
     ``on_overdue`` is called on the loop when a transfer passes its
     deadline; ``dispatcher`` runs the calls (default: a thread of its own).
+    A transfer of more than ``pipeline_bytes`` is split into batch calls of
+    about that many bytes, pipelined with their checksums on a helper thread
+    (None: one call per transfer); ``checksum_threads`` threads compute or
+    verify a call's checksums together.
     """
 
     def __init__(
@@ -157,6 +168,8 @@ class MooncakeTierHandler(SingleDirectionHandler):
         to_cluster: bool,
         io_timeout: float,
         on_overdue: Overdue,
+        pipeline_bytes: int | None = None,
+        checksum_threads: int = 2,
         dispatcher: DispatchThread | None = None,
         poller_mode: PollerMode | None = None,
         max_buffered: int = DEFAULT_MAX_BUFFERED,
@@ -171,6 +184,12 @@ class MooncakeTierHandler(SingleDirectionHandler):
         self._rows = rows
         self._client = client
         self._on_overdue = on_overdue
+        if pipeline_bytes is not None:
+            pipeline_bytes = check_int("pipeline_bytes", pipeline_bytes, minimum=1)
+        self.pipeline_bytes = pipeline_bytes
+        self.checksum_threads = check_int("checksum_threads", checksum_threads, minimum=1)
+        self._pipeline: ThreadPoolExecutor | None = None
+        self._hashers: ThreadPoolExecutor | None = None
         self._owns_dispatcher = dispatcher is None
         name = "aiokvo-mooncake-put" if to_cluster else "aiokvo-mooncake-get"
         self._dispatch = dispatcher or DispatchThread(name)
@@ -219,123 +238,246 @@ class MooncakeTierHandler(SingleDirectionHandler):
             self._on_overdue(remote)
 
     # --------------------------------------------------------------- the calls
-    def _start(self, report: BlockReport, deadline: float) -> None:
+    def _chunks(self, groups: list[int]) -> list[tuple[int, int]]:
+        """Index ranges of about ``pipeline_bytes`` of payload each, in order."""
+        payload, limit = self._rows.payload, self.pipeline_bytes
+        if limit is None:
+            return [(0, len(groups))]
+        chunks: list[tuple[int, int]] = []
+        lo = total = 0
+        for i, group in enumerate(groups):
+            total += payload[group]
+            if total >= limit:
+                chunks.append((lo, i + 1))
+                lo, total = i + 1, 0
+        if lo < len(groups):
+            chunks.append((lo, len(groups)))
+        return chunks
+
+    def _each(self, work: Callable[[int], None], lo: int, hi: int) -> None:
+        """``work(i)`` for every block of ``lo:hi``, split over ``checksum_threads``
+        threads (this one and the hashers: xxh3 releases the GIL)."""
+        threads = min(self.checksum_threads, hi - lo)
+        if threads <= 1:
+            for i in range(lo, hi):
+                work(i)
+            return
+        if self._hashers is None:
+            name = "aiokvo-mooncake-hash"
+            self._hashers = ThreadPoolExecutor(self.checksum_threads - 1, thread_name_prefix=name)
+        bounds = [lo + (hi - lo) * t // threads for t in range(threads + 1)]
+
+        def part(a: int, b: int) -> None:
+            for i in range(a, b):
+                work(i)
+
+        others = [
+            self._hashers.submit(part, bounds[t], bounds[t + 1]) for t in range(1, threads)
+        ]
+        try:
+            part(bounds[0], bounds[1])
+        finally:
+            for future in others:
+                future.result()
+
+    def _helper(self) -> ThreadPoolExecutor:
+        if self._pipeline is None:
+            name = "aiokvo-mooncake-put-io" if self.to_cluster else "aiokvo-mooncake-verify"
+            self._pipeline = ThreadPoolExecutor(1, thread_name_prefix=name)
+        return self._pipeline
+
+    def _run(
+        self, remote: MooncakeLoadStoreSpec, deadline: float, first: Callable[[int, int], object],
+        second: Callable[[int, int], object], groups: list[int],
+    ) -> tuple[()]:  # fmt: skip
+        """``first`` then ``second`` for each chunk, the chunk's ``second`` on the helper
+        thread while the next chunk's ``first`` runs here (one chunk: all here)."""
+        report = remote.report
         if time.monotonic() > deadline:
-            report.fail_all(
-                BlockStatus.TIMEOUT,
-                TierTimeoutError(
-                    f"Mooncake {'put' if self.to_cluster else 'get'} passed its deadline "
-                    f"({self.io_timeout} s) before its call started"
-                ),
-            )
+            report.fail_range(0, len(remote), BlockStatus.TIMEOUT, self._late())
             raise report.error  # type: ignore[misc]
+        chunks = self._chunks(groups)
+        pending: list[Future[object]] = []
+        try:
+            for lo, hi in chunks:
+                first(lo, hi)
+                if len(chunks) == 1:
+                    second(lo, hi)
+                else:
+                    pending.append(self._helper().submit(second, lo, hi))
+        finally:
+            for future in pending:
+                future.result()
+        if report.error is not None:
+            raise report.error
+        return ()
+
+    def _late(self) -> TierTimeoutError:
+        return TierTimeoutError(
+            f"Mooncake {'put' if self.to_cluster else 'get'} passed its deadline "
+            f"({self.io_timeout} s) before its call started"
+        )
 
     def _call(
         self,
         call: Callable[[list[str], list[list[int]], list[list[int]]], list[int]],
         remote: MooncakeLoadStoreSpec,
+        lo: int,
+        hi: int,
         ptrs: list[list[int]],
         sizes: list[list[int]],
-    ) -> list[int]:
+        deadline: float,
+        broken: list[BaseException],
+    ) -> list[int] | None:
+        """One batch call for blocks ``lo:hi``; None (the blocks marked) if it did not
+        run or failed as a whole. After such a failure (``broken``), later chunks of the
+        transfer are not tried: the cluster just failed."""
         report = remote.report
+        if broken:
+            report.fail_range(lo, hi, BlockStatus.RPC_FAILED, broken[0])
+            return None
+        if time.monotonic() > deadline:
+            report.fail_range(lo, hi, BlockStatus.TIMEOUT, self._late())
+            return None
         try:
-            codes = call(list(remote.names), ptrs, sizes)
+            codes = call(list(remote.names[lo:hi]), ptrs, sizes)
+            if len(codes) != hi - lo:
+                raise TierError(f"Mooncake answered {len(codes)} codes for {hi - lo} objects")
         except TierUnavailableError as exc:
-            report.fail_all(BlockStatus.RPC_FAILED, exc)
-            raise
+            report.fail_range(lo, hi, BlockStatus.RPC_FAILED, exc)
+            broken.append(exc)
+            return None
         except Exception as exc:
-            report.fail_all(BlockStatus.ERROR, exc)
-            raise
-        if len(codes) != len(remote):
-            error = TierError(f"Mooncake answered {len(codes)} codes for {len(remote)} objects")
-            report.fail_all(BlockStatus.ERROR, error)
-            raise error
-        report.codes[:] = codes
+            report.fail_range(lo, hi, BlockStatus.ERROR, exc)
+            broken.append(exc)
+            return None
+        report.codes[lo:hi] = codes
+        if codes and all(c < 0 and status_of_code(c) is BlockStatus.RPC_FAILED for c in codes):
+            broken.append(TierUnavailableError(f"Mooncake answered {codes[0]} for every object"))
         return codes
 
     def _put(
         self, remote: MooncakeLoadStoreSpec, groups: list[int], block_rows: list[int],
         deadline: float,
     ) -> tuple[()]:  # fmt: skip
-        """On the put thread: checksum and trailer per block, then one batch put."""
+        """On the put thread: checksums and trailers chunk by chunk, each chunk's batch
+        put on the helper thread while the next chunk is checksummed."""
         report, rows = remote.report, self._rows
-        self._start(report, deadline)
         trailers, layout = rows.trailers, rows.layout
-        all_ptrs: list[list[int]] = []
-        all_sizes: list[list[int]] = []
-        for key, group, row in zip(remote.keys, groups, block_rows, strict=True):
+        staged: dict[int, tuple[list[list[int]], list[list[int]]]] = {}
+        broken: list[BaseException] = []
+
+        def trailer(i: int) -> None:
+            key, group, row = remote.keys[i], groups[i], block_rows[i]
             checksum = payload_checksum(rows.buffers(group, row))
-            trailer = pack_trailer(layout, key, rows.payload[group], checksum)
-            trailers[row] = np.frombuffer(trailer, dtype=np.uint8)
-            ptrs, sizes = rows.pointers(group, row)
-            all_ptrs.append(ptrs)
-            all_sizes.append(sizes)
-        codes = self._call(self._client.put, remote, all_ptrs, all_sizes)
-        for i, code in enumerate(codes):
-            if code == 0:
-                report.status[i] = BlockStatus.OK
-                continue
-            status = BlockStatus.ERROR if code == INVALID_PARAMS else status_of_code(code)
-            report.fail(i, status, _code_error("put", remote.names[i], code, status))
-        if report.error is not None:
-            raise report.error
-        return ()
+            trailers[row] = np.frombuffer(
+                pack_trailer(layout, key, rows.payload[group], checksum), dtype=np.uint8
+            )
+
+        def seal(lo: int, hi: int) -> None:
+            self._each(trailer, lo, hi)
+            all_ptrs: list[list[int]] = []
+            all_sizes: list[list[int]] = []
+            for group, row in zip(groups[lo:hi], block_rows[lo:hi], strict=True):
+                ptrs, sizes = rows.pointers(group, row)
+                all_ptrs.append(ptrs)
+                all_sizes.append(sizes)
+            staged[lo] = (all_ptrs, all_sizes)
+
+        def put(lo: int, hi: int) -> None:
+            ptrs, sizes = staged.pop(lo)
+            codes = self._call(self._client.put, remote, lo, hi, ptrs, sizes, deadline, broken)
+            if codes is None:
+                return
+            for i, code in zip(range(lo, hi), codes, strict=True):
+                if code == 0:
+                    report.status[i] = BlockStatus.OK
+                    continue
+                status = BlockStatus.ERROR if code == INVALID_PARAMS else status_of_code(code)
+                report.fail(i, status, _code_error("put", remote.names[i], code, status))
+
+        return self._run(remote, deadline, seal, put, groups)
 
     def _get(
         self, remote: MooncakeLoadStoreSpec, groups: list[int], block_rows: list[int],
         deadline: float,
     ) -> tuple[()]:  # fmt: skip
-        """On the get thread: one batch get, then length, trailer and checksum per block."""
-        report, rows = remote.report, self._rows
-        self._start(report, deadline)
-        all_ptrs: list[list[int]] = []
-        all_sizes: list[list[int]] = []
-        for group, row in zip(groups, block_rows, strict=True):
-            ptrs, sizes = rows.pointers(group, row)
-            all_ptrs.append(ptrs)
-            all_sizes.append(sizes)
-        codes = self._call(self._client.get, remote, all_ptrs, all_sizes)
+        """On the get thread: a batch get per chunk; each chunk's lengths, trailers and
+        checksums are verified on the helper thread while the next chunk is read."""
+        rows = self._rows
         trailers, layout = rows.trailers, rows.layout
-        for i, (key, group, row, code) in enumerate(
-            zip(remote.keys, groups, block_rows, codes, strict=True)
-        ):
-            name = remote.names[i]
-            if code < 0:
-                status = status_of_code(code)
-                report.fail(i, status, _code_error("get", name, code, status))
-                continue
-            payload = rows.payload[group]
-            if code != payload + TRAILER_BYTES:
-                report.fail(
-                    i, BlockStatus.SIZE_MISMATCH,
-                    TierError(f"Mooncake get of {name} read {code} bytes, the block has "
-                              f"{payload + TRAILER_BYTES}"),
-                )  # fmt: skip
-                continue
-            expected = check_trailer(trailers[row].data, layout, key, payload)
-            if expected is None:
-                report.fail(
-                    i, BlockStatus.BAD_TRAILER,
-                    TierChecksumError(f"Mooncake object {name} does not carry this block's "
-                                      "trailer (another layout or key, or torn)"),
-                )  # fmt: skip
-                continue
-            found = payload_checksum(rows.buffers(group, row))
-            if found != expected:
-                report.fail(
-                    i, BlockStatus.CHECKSUM,
-                    TierChecksumError(f"Mooncake object {name}: checksum {found:#018x}, "
-                                      f"its writer stored {expected:#018x}"),
-                )  # fmt: skip
-                continue
-            report.status[i] = BlockStatus.OK
-        if report.error is not None:
-            raise report.error
-        return ()
+        fetched: dict[int, list[int]] = {}
+        broken: list[BaseException] = []
+
+        def get(lo: int, hi: int) -> None:
+            all_ptrs: list[list[int]] = []
+            all_sizes: list[list[int]] = []
+            for group, row in zip(groups[lo:hi], block_rows[lo:hi], strict=True):
+                ptrs, sizes = rows.pointers(group, row)
+                all_ptrs.append(ptrs)
+                all_sizes.append(sizes)
+            codes = self._call(
+                self._client.get, remote, lo, hi, all_ptrs, all_sizes, deadline, broken
+            )
+            if codes is not None:
+                fetched[lo] = codes
+
+        def verify(lo: int, hi: int) -> None:
+            codes = fetched.pop(lo, None)
+            if codes is None:
+                return
+
+            def one(i: int) -> None:
+                self._verify(remote, i, groups[i], block_rows[i], codes[i - lo], trailers, layout)
+
+            self._each(one, lo, hi)
+
+        return self._run(remote, deadline, get, verify, groups)
+
+    def _verify(
+        self, remote: MooncakeLoadStoreSpec, i: int, group: int, row: int, code: int,
+        trailers: np.ndarray, layout: bytes,
+    ) -> None:  # fmt: skip
+        """Length, trailer, checksum of block ``i`` read into ``row``: its status."""
+        report, rows = remote.report, self._rows
+        key, name = remote.keys[i], remote.names[i]
+        if code < 0:
+            status = status_of_code(code)
+            report.fail(i, status, _code_error("get", name, code, status))
+            return
+        payload = rows.payload[group]
+        if code != payload + TRAILER_BYTES:
+            report.fail(
+                i, BlockStatus.SIZE_MISMATCH,
+                TierError(f"Mooncake get of {name} read {code} bytes, the block has "
+                          f"{payload + TRAILER_BYTES}"),
+            )  # fmt: skip
+            return
+        expected = check_trailer(trailers[row].data, layout, key, payload)
+        if expected is None:
+            report.fail(
+                i, BlockStatus.BAD_TRAILER,
+                TierChecksumError(f"Mooncake object {name} does not carry this block's "
+                                  "trailer (another layout or key, or torn)"),
+            )  # fmt: skip
+            return
+        found = payload_checksum(rows.buffers(group, row))
+        if found != expected:
+            report.fail(
+                i, BlockStatus.CHECKSUM,
+                TierChecksumError(f"Mooncake object {name}: checksum {found:#018x}, "
+                                  f"its writer stored {expected:#018x}"),
+            )  # fmt: skip
+            return
+        report.status[i] = BlockStatus.OK
 
     async def _close_backend(self) -> None:
         if self._owns_dispatcher:
             self._dispatch.shutdown()
+        for pool in (self._pipeline, self._hashers):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._pipeline = self._hashers = None
 
 
 def _code_error(what: str, name: str, code: int, status: BlockStatus) -> TierError:

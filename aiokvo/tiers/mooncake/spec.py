@@ -74,6 +74,12 @@ class BlockReport:
         if self.error is None:
             self.error = error
 
+    def fail_range(self, lo: int, hi: int, status: BlockStatus, error: BaseException) -> None:
+        """Mark blocks ``lo:hi`` as ``status``."""
+        self.status[lo:hi] = [status] * (hi - lo)
+        if self.error is None:
+            self.error = error
+
     def fail_all(self, status: BlockStatus, error: BaseException) -> None:
         """Mark every block not yet finished as ``status``."""
         for i, current in enumerate(self.status):

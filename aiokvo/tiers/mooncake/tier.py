@@ -242,7 +242,12 @@ class MooncakeTier(Tier):
             ),
             sink=binding.events,
         )
-        common: dict[str, Any] = {"io_timeout": config.io_timeout, "on_overdue": self._overdue}
+        common: dict[str, Any] = {
+            "io_timeout": config.io_timeout,
+            "on_overdue": self._overdue,
+            "pipeline_bytes": config.pipeline_bytes,
+            "checksum_threads": config.checksum_threads,
+        }
         self._put = MooncakeTierHandler(rows[0], self._client, to_cluster=True, **common)
         self._get = MooncakeTierHandler(rows[1], self._client, to_cluster=False, **common)
         return [

@@ -279,3 +279,40 @@ async def test_replicas_and_placement_go_into_every_put(cluster: FakeMooncakeClu
     (store,) = cluster.stores
     assert store.closed and store.buffers == {}  # unregistered, then closed once
     assert cluster.calls.close == 1
+
+
+async def test_a_large_transfer_goes_in_pipelined_chunks_each_block_verified(
+    cluster: FakeMooncakeCluster,
+) -> None:
+    ks = keys(*"abcdefgh")
+    kv_a, kv_b = KV(64), KV(64)
+    chunked = {"pipeline_bytes": 2 * BLOCK_BYTES}  # two blocks per batch call
+    tier_a = fake_tier(cluster, **chunked)
+    async with replica(tier_a, kv_a) as a:
+        await store_on(a, kv_a, ks)
+    assert cluster.calls.put == 4 and len(cluster.objects) == 8
+    cluster.corrupt(tier_a.object_name(ks[5]), offset=1)
+    async with replica(fake_tier(cluster, **chunked), kv_b) as b:
+        gpu = list(range(20, 28))
+        assert await b.load_prefix(ks, gpu) == 5
+        assert kv_b.holds(gpu[:5], ks[:5])
+        assert cluster.calls.get == 4
+        stats = mooncake_stats(b)
+        assert (stats.blocks_read, stats.checksum_failures) == (7, 1)  # g and h are fine too
+
+
+async def test_a_chunk_the_master_refused_stops_the_transfer(
+    cluster: FakeMooncakeCluster,
+) -> None:
+    ks = keys(*"abcdefgh")
+    kv = KV(64)
+    tier = fake_tier(cluster, pipeline_bytes=2 * BLOCK_BYTES, failure_threshold=5)
+    async with replica(tier, kv) as off:
+        await off.open()
+        for k in ks[2:4]:  # the second call: -900 for both of its objects
+            cluster.codes[tier.object_name(k)] = -900
+        await store_on(off, kv, ks)
+        stats = mooncake_stats(off)
+    assert cluster.calls.put == 2  # the third and fourth were never made
+    assert sorted(cluster.objects) == sorted(tier.object_name(k) for k in ks[:2])
+    assert (stats.blocks_written, stats.write_failures, stats.rpc_failures) == (2, 6, 1)
