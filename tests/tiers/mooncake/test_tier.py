@@ -8,6 +8,7 @@ workflows against a real cluster are in test_cluster.py.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -316,3 +317,37 @@ async def test_a_chunk_the_master_refused_stops_the_transfer(
     assert cluster.calls.put == 2  # the third and fourth were never made
     assert sorted(cluster.objects) == sorted(tier.object_name(k) for k in ks[:2])
     assert (stats.blocks_written, stats.write_failures, stats.rpc_failures) == (2, 6, 1)
+
+
+async def test_a_promotion_that_ends_while_the_next_tier_looks_up_is_not_waited_for(
+    cluster: FakeMooncakeCluster, disk_tier_path: Path
+) -> None:
+    # The disk tier promotes a, b; the Mooncake lookup for c, d is held until that
+    # promotion has ended. The load must then see it ended (not wait out a deadline).
+    from aiokvo.tiers import DiskTier
+
+    a_b, c_d = keys("a", "b"), keys("c", "d")
+    kv_w = KV(64)
+    async with replica(fake_tier(cluster), kv_w) as writer:
+        await store_on(writer, kv_w, c_d)
+    disk = DiskTier(disk_tier_path, capacity_bytes=1 << 20, model_id="test-model",
+                    io_timeout=2.0, refresh_interval=0)  # fmt: skip
+    kv = KV(64)
+    off = Offloader(kv.config(4), kv.caches, tiers=[disk, fake_tier(cluster)])
+    async with off:
+        await store_on(off, kv, a_b)
+        await store_on(off, kv, keys("e", "f", "g", "h"), first_block=2)  # a, b leave the pool
+        assert off.manager.lookup(a_b[0], ReqContext()) is False
+        cluster.block()
+
+        async def release_after_the_disk_promotion() -> None:
+            await eventually(lambda: off.statistics().promoted_blocks >= 2, "disk promotion")
+            cluster.unblock()
+
+        releaser = asyncio.create_task(release_after_the_disk_promotion())
+        found = await off.load_prefix(a_b + c_d, [20, 21, 22, 23])
+        await releaser
+        stats = off.statistics()
+        assert found == 4 and kv.holds([20, 21, 22, 23], a_b + c_d)
+        assert stats.promotion_timeouts == 0
+        assert stats.hits_by_medium["DISK"] == 2 and stats.hits_by_medium["MOONCAKE"] == 2
