@@ -24,6 +24,14 @@ written through to it, so a block evicted from the pool is promoted back
 from disk by the next ``load_prefix`` that needs it, checksum-verified. The
 summary reports hits per tier.
 
+``--mooncake HOST:PORT`` adds the distributed tier (``MooncakeTier``) on
+the Mooncake cluster whose master is there; ``--mooncake local`` starts a
+throwaway one on loopback first (a master and ``--mooncake-nodes`` storage
+processes) and stops it at the end. With ``--replicas N`` the requests are
+served by N engine replicas, each with its own KV cache, CPU pool and disk
+tier: only the cluster is shared, so a prefix one replica computed is a
+Mooncake hit for the others.
+
 Lookups, pins, job ids, reservations and every ``complete_*`` are the
 Offloader's business, so this is safe at any concurrency. A live progress
 line is drawn from ``off.statistics()``; the run ends with a summary, and
@@ -36,6 +44,7 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import os
 import sys
 import tempfile
 import time
@@ -56,7 +65,8 @@ from aiokvo import (
     OffloadKey,
     make_offload_key,
 )
-from aiokvo.tiers import DiskTier
+from aiokvo.tiers import DiskTier, MooncakeTier, Tier
+from aiokvo.tiers.mooncake import LocalCluster
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -81,6 +91,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--disk-dir", default=None, help="directory for the disk tier")
     p.add_argument("--disk-blocks", type=int, default=1024, help="disk tier, in blocks")
     p.add_argument("--admit-after", type=int, default=1, help="offers before a disk write")
+    p.add_argument(
+        "--mooncake", default=None, metavar="local|HOST:PORT",
+        help="a Mooncake tier: the cluster whose master is HOST:PORT, or 'local' to start one",
+    )  # fmt: skip
+    p.add_argument("--mooncake-metadata", default="P2PHANDSHAKE", help="its metadata server")
+    p.add_argument("--mooncake-nodes", type=int, default=1, help="storage nodes of 'local'")
+    p.add_argument("--mooncake-segment-mib", type=int, default=256, help="MiB per local node")
+    p.add_argument("--replicas", type=int, default=1, help="engine replicas sharing the tiers")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -222,8 +240,11 @@ def hit_rate(snap: OffloaderStatistics) -> float:
     return snap.hit_blocks / asked if asked else 0.0
 
 
-async def show_progress(off: Offloader, stats: Stats, total: int) -> None:
-    """Redraw one line in place on a terminal; print a plain line per second otherwise."""
+async def show_progress(off: Offloader, schedulers: list[Scheduler], total: int) -> None:
+    """Redraw one line in place on a terminal; print a plain line per second otherwise.
+
+    The rates are the first replica's (``off``); the request count is everyone's.
+    """
     tty = sys.stdout.isatty()
     # Recent (time, snapshot) pairs: the rate is taken over about the last second.
     window: deque[tuple[float, OffloaderStatistics]] = deque(maxlen=10 if tty else 1)
@@ -233,7 +254,7 @@ async def show_progress(off: Offloader, stats: Stats, total: int) -> None:
         then, old = window[0]
         moved = snap.load_bytes + snap.store_bytes - old.load_bytes - old.store_bytes
         gbps = moved / (now - then) / 1e9 if now > then else 0.0
-        done = stats.requests
+        done = sum(s.stats.requests for s in schedulers)
         line = (
             f"[{'#' * (30 * done // total):<30}] {done:4d}/{total} req  "
             f"hit {hit_rate(snap):6.1%}  {gbps:5.2f} GB/s  evicted {snap.blocks_evicted}  "
@@ -294,26 +315,120 @@ def print_summary(
 def _tier_rows(snap: OffloaderStatistics) -> list[tuple[str, str]]:
     rows = []
     for tier in snap.tiers:
+        if tier.capacity_blocks:
+            held = f"{tier.used_blocks}/{tier.capacity_blocks} held, {tier.evictions} evicted"
+        else:  # a distributed tier: the cluster places and evicts
+            held = f"{tier.used_blocks} seen in the cluster, {tier.read_failures} misses on read"
         rows.append((
             f"{tier.medium.lower()} tier",
             f"{tier.blocks_written} written ({tier.bytes_written / 2**20:.0f} MiB), "
-            f"{tier.blocks_read} promoted, {tier.used_blocks}/{tier.capacity_blocks} held, "
-            f"{tier.evictions} evicted, {tier.checksum_failures} checksum failures, "
-            f"breaker {tier.breaker.state}",
+            f"{tier.blocks_read} promoted, {held}, {tier.checksum_failures} checksum "
+            f"failures, breaker {tier.breaker.state}",
         ))  # fmt: skip
     return rows
 
 
 async def main_async(args: argparse.Namespace, **handler_options: object) -> int:
-    if not args.disk:
-        return await run(args, None, **handler_options)
-    if args.disk_dir is not None:
-        return await run(args, args.disk_dir, **handler_options)
-    with tempfile.TemporaryDirectory(prefix="aiokvo-demo-") as root:
-        return await run(args, root, **handler_options)
+    with contextlib.ExitStack() as stack:
+        disk_dir = args.disk_dir
+        if args.disk and disk_dir is None:
+            disk_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="aiokvo-demo-"))
+        mooncake: dict[str, object] | None = None
+        if args.mooncake == "local":
+            os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's own INFO lines
+            segment = args.mooncake_segment_mib << 20
+            cluster = stack.enter_context(LocalCluster(args.mooncake_nodes, segment_size=segment))
+            mooncake = cluster.tier_settings()
+            print(
+                f"  started a local Mooncake cluster: master {cluster.master_server_addr}, "
+                f"{args.mooncake_nodes} x {args.mooncake_segment_mib} MiB storage nodes"
+            )
+        elif args.mooncake is not None:
+            mooncake = {"master_server_addr": args.mooncake,
+                        "metadata_server": args.mooncake_metadata}  # fmt: skip
+        return await run(args, disk_dir if args.disk else None, mooncake, **handler_options)
 
 
-async def run(args: argparse.Namespace, disk_dir: str | None, **handler_options: object) -> int:
+async def run(
+    args: argparse.Namespace,
+    disk_dir: str | None,
+    mooncake: dict[str, object] | None,
+    **handler_options: object,
+) -> int:
+    replicas = []
+    for i in range(args.replicas):
+        replicas.append(make_replica(args, i, disk_dir, mooncake, handler_options))
+    requests = make_requests(args)
+    working_set = len({k for r in requests for k in r.keys})
+    first = replicas[0]
+    block_bytes = first.kv.page_bytes_per_block
+    print(
+        f"aiokvo quickstart: {args.layers} layers x (K, V), {args.kv_heads} KV heads x "
+        f"{args.head_dim} dims, bf16, {args.block_tokens}-token blocks "
+        f"({block_bytes // 1024} KiB per block)\n"
+        f"  GPU: {args.gpu_blocks} blocks ({args.gpu_blocks * block_bytes / 2**20:.0f} MiB)   "
+        f"CPU pool: {first.config.num_cpu_blocks} blocks "
+        f"({first.config.cpu_bytes_to_use / 2**20:.0f} MiB, {args.policy})   "
+        f"working set: {working_set} blocks, {len(requests)} requests"
+    )
+    if disk_dir is not None:
+        print(f"  disk tier: {args.disk_blocks} blocks in {disk_dir}"
+              + (" (one directory per replica)" if args.replicas > 1 else ""))  # fmt: skip
+    if mooncake is not None:
+        print(f"  Mooncake tier: master {mooncake['master_server_addr']}"
+              + (f", shared by {args.replicas} replicas" if args.replicas > 1 else ""))  # fmt: skip
+    started = time.perf_counter()
+    async with contextlib.AsyncExitStack() as stack:
+        for replica in replicas:
+            await stack.enter_async_context(replica.off)
+        schedulers = [Scheduler(r.off, r.kv_bytes, GPUBlocks(args.gpu_blocks)) for r in replicas]
+        progress = asyncio.create_task(show_progress(first.off, schedulers, len(requests)))
+        queue: asyncio.Queue[Request] = asyncio.Queue()
+        for request in requests:
+            queue.put_nowait(request)
+
+        async def serve_queue() -> None:
+            while not queue.empty():
+                request = queue.get_nowait()
+                await schedulers[request.rid % len(schedulers)].serve(request)
+
+        async with asyncio.TaskGroup() as group:
+            for _ in range(args.concurrency):
+                group.create_task(serve_queue())
+        progress.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await progress
+        wall = time.perf_counter() - started
+        snaps = [r.off.statistics() for r in replicas]
+    failed = 0
+    for i, (snap, scheduler) in enumerate(zip(snaps, schedulers, strict=True)):
+        if len(replicas) > 1:
+            print(f"replica {i}:")
+        stats = scheduler.stats
+        print_summary(args, snap, stats, wall)
+        if stats.mismatched or stats.verified != stats.loaded_blocks:
+            print(f"FAILED: {stats.mismatched} reloaded blocks differ from what was stored")
+            failed += 1
+    return 1 if failed else 0
+
+
+@dataclass(slots=True)
+class Replica:
+    """One engine replica: its KV cache, its CPU pool and tiers (the Offloader)."""
+
+    kv: CanonicalKVCaches
+    config: OffloadConfig
+    kv_bytes: KVBytes
+    off: Offloader
+
+
+def make_replica(
+    args: argparse.Namespace,
+    index: int,
+    disk_dir: str | None,
+    mooncake: dict[str, object] | None,
+    handler_options: dict[str, object],
+) -> Replica:
     # The engine's KV cache: per layer, K and V stacked in front (FlashAttention).
     shape = (2, args.gpu_blocks, args.block_tokens, args.kv_heads, args.head_dim)
     layers = {
@@ -328,54 +443,19 @@ async def run(args: argparse.Namespace, disk_dir: str | None, **handler_options:
         cpu_bytes_to_use=args.cpu_blocks * block_bytes,
         eviction_policy=args.policy,
     )
-    requests = make_requests(args)
-    working_set = len({k for r in requests for k in r.keys})
-    print(
-        f"aiokvo quickstart: {args.layers} layers x (K, V), {args.kv_heads} KV heads x "
-        f"{args.head_dim} dims, bf16, {args.block_tokens}-token blocks "
-        f"({block_bytes // 1024} KiB per block)\n"
-        f"  GPU: {args.gpu_blocks} blocks ({args.gpu_blocks * block_bytes / 2**20:.0f} MiB)   "
-        f"CPU pool: {config.num_cpu_blocks} blocks ({config.cpu_bytes_to_use / 2**20:.0f} MiB, "
-        f"{args.policy})   working set: {working_set} blocks, {len(requests)} requests"
-    )
-
-    tiers = []
+    tiers: list[Tier] = []
     if disk_dir is not None:
-        disk = DiskTier(
-            disk_dir,
+        root = disk_dir if args.replicas == 1 else os.path.join(disk_dir, f"replica{index}")
+        tiers.append(DiskTier(
+            root,
             capacity_bytes=args.disk_blocks * block_bytes + (1 << 20),
             model_id="aiokvo-quickstart",
             admit_after=args.admit_after,
-        )
-        tiers.append(disk)
-        print(f"  disk tier: {args.disk_blocks} blocks in {disk_dir}")
-    kv_bytes = KVBytes(kv, args.seed)
-    started = time.perf_counter()
-    async with Offloader(config, kv, handler_options=handler_options, tiers=tiers) as off:
-        scheduler = Scheduler(off, kv_bytes, GPUBlocks(args.gpu_blocks))
-        progress = asyncio.create_task(show_progress(off, scheduler.stats, len(requests)))
-        queue: asyncio.Queue[Request] = asyncio.Queue()
-        for request in requests:
-            queue.put_nowait(request)
-
-        async def serve_queue() -> None:
-            while not queue.empty():
-                await scheduler.serve(queue.get_nowait())
-
-        async with asyncio.TaskGroup() as group:
-            for _ in range(args.concurrency):
-                group.create_task(serve_queue())
-        progress.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await progress
-        wall = time.perf_counter() - started
-        snap = off.statistics()
-    stats = scheduler.stats
-    print_summary(args, snap, stats, wall)
-    if stats.mismatched or stats.verified != stats.loaded_blocks:
-        print(f"FAILED: {stats.mismatched} reloaded blocks differ from what was stored")
-        return 1
-    return 0
+        ))  # fmt: skip
+    if mooncake is not None:
+        tiers.append(MooncakeTier(model_id="aiokvo-quickstart", **mooncake))  # type: ignore[arg-type]
+    off = Offloader(config, kv, handler_options=handler_options, tiers=tiers)
+    return Replica(kv, config, KVBytes(kv, args.seed), off)
 
 
 def main(argv: Sequence[str] | None = None, **handler_options: object) -> int:

@@ -19,3 +19,19 @@ def test_bench_async_quick_runs_its_host_copy_section() -> None:
     assert out.returncode == 0, out.stderr
     assert "## 3. Host-copy bandwidth" in out.stdout
     assert "32Ki" in out.stdout  # a row of the host-copy table
+
+
+def test_bench_tiers_mooncake_section_runs_on_a_local_cluster() -> None:
+    from aiokvo.testing.mooncake import require_mooncake
+
+    require_mooncake()
+    out = subprocess.run(
+        [sys.executable, "benchmarks/bench_tiers.py", "--no-disk", "--mooncake", "local",
+         "--mib", "16", "--rounds", "1", "--mooncake-blocks", "512", "--pool", "16",
+         "--requests", "40", "--mooncake-segment-mib", "64"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "## Mooncake, on a loopback cluster" in out.stdout
+    assert "| 512 KiB | median |" in out.stdout
+    assert "| with the Mooncake tier |" in out.stdout

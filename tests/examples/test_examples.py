@@ -100,3 +100,44 @@ def test_quickstart_demo_exits_non_zero_on_corrupt_reload(
     out = capsys.readouterr().out
     assert "FAILED" in out
     assert int(out.split("FAILED: ")[1].split()[0]) > 0  # mismatches were counted
+
+
+def _mooncake_hits(block: str) -> int:
+    return int(block.split("hits by tier")[1].split("MOONCAKE")[1].split()[0])
+
+
+def test_quickstart_demo_starts_a_local_mooncake_cluster_shared_by_replicas(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from aiokvo.testing.mooncake import require_mooncake
+
+    require_mooncake()
+    demo = _load("quickstart")
+    args = [*DEMO_ARGS, "--cpu-blocks", "32", "--concurrency", "2", "--disk-dir", str(tmp_path),
+            "--mooncake", "local", "--mooncake-segment-mib", "64", "--replicas", "2"]  # fmt: skip
+    assert demo.main(args) == 0
+    out = capsys.readouterr().out
+    assert "started a local Mooncake cluster" in out
+    first, second = out.split("replica 0:")[1].split("replica 1:")
+    # A prefix one replica computed is a Mooncake hit for the other.
+    assert _mooncake_hits(first) + _mooncake_hits(second) > 0
+    for block in (first, second):
+        loaded = int(block.split("blocks loaded")[1].split()[0])
+        assert f"verified          {loaded}/{loaded}" in block
+        assert "mooncake tier" in block and "breaker closed" in block
+
+
+def test_quickstart_demo_uses_a_running_mooncake_cluster(
+    capsys: pytest.CaptureFixture[str], mooncake_cluster: object
+) -> None:
+    cluster = mooncake_cluster(1, segment_size=64 << 20)  # type: ignore[operator]
+    demo = _load("quickstart")
+    # One request at a time: a pool of 16 blocks has room for every promotion.
+    args = [*DEMO_ARGS, "--cpu-blocks", "16", "--concurrency", "1", "--no-disk",
+            "--mooncake", cluster.master_server_addr]  # fmt: skip
+    assert demo.main(args) == 0
+    out = capsys.readouterr().out
+    assert _mooncake_hits(out) > 0  # what the small pool evicted came back from the cluster
+    loaded = int(out.split("blocks loaded")[1].split()[0])
+    assert f"verified          {loaded}/{loaded}" in out
+    assert len(cluster.keys()) > 0
