@@ -142,7 +142,9 @@ class MooncakeClient:
         self._preferred_segment = preferred_segment
         self._close_timeout = close_timeout
         self._lock = threading.Condition(threading.Lock())
+        self._connecting = threading.Lock()  # one setup() at a time
         self._store: Any = None
+        self._stuck: Any = None  # a store left open under a stuck call: kept alive
         self._replicate: Any = None
         self._calls = 0
         self._closing = False
@@ -162,7 +164,16 @@ class MooncakeClient:
     def connect(
         self, settings: SetupSettings, spans: Sequence[tuple[int, int]], *, probe_timeout: float
     ) -> None:
-        """``setup()`` and register ``spans``; raises TierUnavailableError (blocking)."""
+        """``setup()`` and register ``spans``; raises TierUnavailableError (blocking).
+
+        Concurrent calls wait for each other: the first that succeeds connects.
+        """
+        with self._connecting:
+            self._connect(settings, spans, probe_timeout)
+
+    def _connect(
+        self, settings: SetupSettings, spans: Sequence[tuple[int, int]], probe_timeout: float
+    ) -> None:
         with self._lock:
             if self._closing:
                 raise TierUnavailableError("the Mooncake client is closed")
@@ -281,6 +292,7 @@ class MooncakeClient:
             if store is None:
                 return
             if not self._lock.wait_for(lambda: self._calls == 0, self._close_timeout):
+                self._stuck = store  # its destructor must not run under the stuck call
                 logger.error(
                     "Mooncake tier: %d calls still running after %.0f s; leaving the "
                     "store open rather than closing it under them",
