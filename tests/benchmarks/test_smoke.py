@@ -28,7 +28,7 @@ def test_bench_tiers_mooncake_section_runs_on_a_local_cluster() -> None:
     out = subprocess.run(
         [sys.executable, "benchmarks/bench_tiers.py", "--no-disk", "--mooncake", "local",
          "--mib", "16", "--rounds", "1", "--mooncake-blocks", "512", "--pool", "16",
-         "--requests", "40", "--mooncake-segment-mib", "64"],
+         "--requests", "20", "--mooncake-segment-mib", "64"],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]

@@ -34,8 +34,9 @@ TCP throughput.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Sequence
 
+import numpy as np
 import xxhash
 
 from aiokvo.keys import OffloadKey
@@ -45,9 +46,12 @@ __all__ = [
     "MAGIC",
     "TRAILER_BYTES",
     "check_trailer",
+    "key_digest",
     "object_name",
+    "open_trailers",
     "pack_trailer",
     "payload_checksum",
+    "seal_trailers",
     "status_of_code",
 ]
 
@@ -63,8 +67,10 @@ def object_name(prefix: str, namespace: str, key: OffloadKey) -> str:
     return f"{prefix}/{namespace}/{key.hex()}"
 
 
-def payload_checksum(buffers: Iterable[object]) -> int:
+def payload_checksum(buffers: Sequence[object]) -> int:
     """xxh3-64 over ``buffers`` in order, as if they were one."""
+    if len(buffers) == 1:
+        return xxhash.xxh3_64_intdigest(buffers[0])  # type: ignore[arg-type]
     hasher = xxhash.xxh3_64()
     for buffer in buffers:
         hasher.update(buffer)  # type: ignore[arg-type]
@@ -73,6 +79,56 @@ def payload_checksum(buffers: Iterable[object]) -> int:
 
 def key_digest(key: OffloadKey) -> int:
     return xxhash.xxh3_64_intdigest(key)
+
+
+# The same 64 bytes as _TRAILER, as whole little-endian words: many trailers at once.
+TRAILER_DTYPE = np.dtype([
+    ("magic", "<u8"), ("layout0", "<u8"), ("layout1", "<u8"), ("key", "<u8"),
+    ("length", "<u8"), ("checksum", "<u8"), ("zero", "<u8"), ("seal", "<u8"),
+])  # fmt: skip
+assert TRAILER_DTYPE.itemsize == TRAILER_BYTES
+_MAGIC_WORD = int.from_bytes(MAGIC, "little")
+
+
+def _seals(raw: np.ndarray) -> list[int]:
+    data = raw.tobytes()
+    seal = xxhash.xxh3_64_intdigest
+    return [seal(data[i : i + _SEALED]) for i in range(0, len(data), TRAILER_BYTES)]
+
+
+def seal_trailers(
+    layout: bytes, key_hashes: Sequence[int], lengths: Sequence[int], checksums: Sequence[int]
+) -> np.ndarray:
+    """The ``(k, 64)`` uint8 trailers of ``k`` blocks (byte for byte :func:`pack_trailer`'s)."""
+    t = np.zeros(len(key_hashes), dtype=TRAILER_DTYPE)
+    t["magic"] = _MAGIC_WORD
+    t["layout0"] = int.from_bytes(layout[:8], "little")
+    t["layout1"] = int.from_bytes(layout[8:16], "little")
+    t["key"] = np.asarray(key_hashes, dtype=np.uint64)
+    t["length"] = np.asarray(lengths, dtype=np.uint64)
+    t["checksum"] = np.asarray(checksums, dtype=np.uint64)
+    raw = t.view(np.uint8).reshape(len(t), TRAILER_BYTES)
+    t["seal"] = np.asarray(_seals(raw), dtype=np.uint64)
+    return raw
+
+
+def open_trailers(
+    raw: np.ndarray, layout: bytes, key_hashes: Sequence[int], lengths: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """For ``(k, 64)`` uint8 trailers: which are sealed and name this layout, these keys
+    and lengths (a bool mask), and the payload checksums they vouch for."""
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    t = raw.view(TRAILER_DTYPE).reshape(len(raw))
+    ok = (
+        (t["magic"] == _MAGIC_WORD)
+        & (t["layout0"] == int.from_bytes(layout[:8], "little"))
+        & (t["layout1"] == int.from_bytes(layout[8:16], "little"))
+        & (t["key"] == np.asarray(key_hashes, dtype=np.uint64))
+        & (t["length"] == np.asarray(lengths, dtype=np.uint64))
+        & (t["zero"] == 0)
+        & (t["seal"] == np.asarray(_seals(raw), dtype=np.uint64))
+    )
+    return ok, t["checksum"].copy()
 
 
 def pack_trailer(layout: bytes, key: OffloadKey, payload_bytes: int, checksum: int) -> bytes:

@@ -62,9 +62,10 @@ from aiokvo.tiers.mooncake.client import MooncakeClient
 from aiokvo.tiers.mooncake.format import (
     INVALID_PARAMS,
     TRAILER_BYTES,
-    check_trailer,
-    pack_trailer,
+    key_digest,
+    open_trailers,
     payload_checksum,
+    seal_trailers,
     status_of_code,
 )
 from aiokvo.tiers.mooncake.spec import BlockStatus, MooncakeLoadStoreSpec
@@ -147,6 +148,20 @@ class BlockRows:
         ptrs.append(self._trailer_base + row * TRAILER_BYTES)
         sizes.append(TRAILER_BYTES)
         return ptrs, sizes
+
+    def pointer_lists(
+        self, groups: Sequence[int], rows: Sequence[int]
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """:meth:`pointers` of many blocks (one numpy pass when they share a group)."""
+        if not groups or any(g != groups[0] for g in groups):
+            pairs = [self.pointers(g, r) for g, r in zip(groups, rows, strict=True)]
+            return [p for p, _ in pairs], [z for _, z in pairs]
+        tensors = self.group_tensors[groups[0]]
+        at = np.asarray(rows, dtype=np.int64)
+        columns = [self._base[t] + at * self._stride[t] for t in tensors]
+        columns.append(self._trailer_base + at * TRAILER_BYTES)
+        sizes = [self._width[t] for t in tensors] + [TRAILER_BYTES]
+        return np.stack(columns, axis=1).tolist(), [sizes] * len(rows)
 
 
 class MooncakeTierHandler(SingleDirectionHandler):
@@ -367,22 +382,21 @@ class MooncakeTierHandler(SingleDirectionHandler):
         staged: dict[int, tuple[list[list[int]], list[list[int]]]] = {}
         broken: list[BaseException] = []
 
-        def trailer(i: int) -> None:
-            key, group, row = remote.keys[i], groups[i], block_rows[i]
-            checksum = payload_checksum(rows.buffers(group, row))
-            trailers[row] = np.frombuffer(
-                pack_trailer(layout, key, rows.payload[group], checksum), dtype=np.uint8
-            )
+        checksums = [0] * len(remote)
+        key_hashes = [0] * len(remote)
+
+        def checksum(i: int) -> None:
+            checksums[i] = payload_checksum(rows.buffers(groups[i], block_rows[i]))
+            key_hashes[i] = key_digest(remote.keys[i])
 
         def seal(lo: int, hi: int) -> None:
-            self._each(trailer, lo, hi)
-            all_ptrs: list[list[int]] = []
-            all_sizes: list[list[int]] = []
-            for group, row in zip(groups[lo:hi], block_rows[lo:hi], strict=True):
-                ptrs, sizes = rows.pointers(group, row)
-                all_ptrs.append(ptrs)
-                all_sizes.append(sizes)
-            staged[lo] = (all_ptrs, all_sizes)
+            self._each(checksum, lo, hi)
+            at = block_rows[lo:hi]
+            trailers[at] = seal_trailers(
+                layout, key_hashes[lo:hi], [rows.payload[g] for g in groups[lo:hi]],
+                checksums[lo:hi],
+            )  # fmt: skip
+            staged[lo] = rows.pointer_lists(groups[lo:hi], at)
 
         def put(lo: int, hi: int) -> None:
             ptrs, sizes = staged.pop(lo)
@@ -410,66 +424,61 @@ class MooncakeTierHandler(SingleDirectionHandler):
         broken: list[BaseException] = []
 
         def get(lo: int, hi: int) -> None:
-            all_ptrs: list[list[int]] = []
-            all_sizes: list[list[int]] = []
-            for group, row in zip(groups[lo:hi], block_rows[lo:hi], strict=True):
-                ptrs, sizes = rows.pointers(group, row)
-                all_ptrs.append(ptrs)
-                all_sizes.append(sizes)
-            codes = self._call(
-                self._client.get, remote, lo, hi, all_ptrs, all_sizes, deadline, broken
-            )
+            ptrs, sizes = rows.pointer_lists(groups[lo:hi], block_rows[lo:hi])
+            codes = self._call(self._client.get, remote, lo, hi, ptrs, sizes, deadline, broken)
             if codes is not None:
                 fetched[lo] = codes
 
         def verify(lo: int, hi: int) -> None:
             codes = fetched.pop(lo, None)
-            if codes is None:
-                return
-
-            def one(i: int) -> None:
-                self._verify(remote, i, groups[i], block_rows[i], codes[i - lo], trailers, layout)
-
-            self._each(one, lo, hi)
+            if codes is not None:
+                self._verify(remote, lo, hi, codes, groups, block_rows, trailers, layout)
 
         return self._run(remote, deadline, get, verify, groups)
 
     def _verify(
-        self, remote: MooncakeLoadStoreSpec, i: int, group: int, row: int, code: int,
-        trailers: np.ndarray, layout: bytes,
+        self, remote: MooncakeLoadStoreSpec, lo: int, hi: int, codes: list[int],
+        groups: list[int], block_rows: list[int], trailers: np.ndarray, layout: bytes,
     ) -> None:  # fmt: skip
-        """Length, trailer, checksum of block ``i`` read into ``row``: its status."""
+        """Length, trailer and checksum of blocks ``lo:hi`` (read with ``codes``): their
+        statuses. Payloads are hashed on ``checksum_threads`` threads, trailers at once."""
         report, rows = remote.report, self._rows
-        key, name = remote.keys[i], remote.names[i]
-        if code < 0:
-            status = status_of_code(code)
-            report.fail(i, status, _code_error("get", name, code, status))
-            return
-        payload = rows.payload[group]
-        if code != payload + TRAILER_BYTES:
-            report.fail(
-                i, BlockStatus.SIZE_MISMATCH,
-                TierError(f"Mooncake get of {name} read {code} bytes, the block has "
-                          f"{payload + TRAILER_BYTES}"),
-            )  # fmt: skip
-            return
-        expected = check_trailer(trailers[row].data, layout, key, payload)
-        if expected is None:
-            report.fail(
-                i, BlockStatus.BAD_TRAILER,
-                TierChecksumError(f"Mooncake object {name} does not carry this block's "
-                                  "trailer (another layout or key, or torn)"),
-            )  # fmt: skip
-            return
-        found = payload_checksum(rows.buffers(group, row))
-        if found != expected:
-            report.fail(
-                i, BlockStatus.CHECKSUM,
-                TierChecksumError(f"Mooncake object {name}: checksum {found:#018x}, "
-                                  f"its writer stored {expected:#018x}"),
-            )  # fmt: skip
-            return
-        report.status[i] = BlockStatus.OK
+        payloads = [rows.payload[g] for g in groups[lo:hi]]
+        whole = [code == n + TRAILER_BYTES for code, n in zip(codes, payloads, strict=True)]
+        found = [0] * (hi - lo)
+        key_hashes = [key_digest(k) for k in remote.keys[lo:hi]]
+
+        def checksum(i: int) -> None:
+            if whole[i - lo]:
+                found[i - lo] = payload_checksum(rows.buffers(groups[i], block_rows[i]))
+
+        self._each(checksum, lo, hi)
+        sealed, stored = open_trailers(trailers[block_rows[lo:hi]], layout, key_hashes, payloads)
+        for j, code in enumerate(codes):
+            i, name = lo + j, remote.names[lo + j]
+            if code < 0:
+                status = status_of_code(code)
+                report.fail(i, status, _code_error("get", name, code, status))
+            elif not whole[j]:
+                report.fail(
+                    i, BlockStatus.SIZE_MISMATCH,
+                    TierError(f"Mooncake get of {name} read {code} bytes, the block has "
+                              f"{payloads[j] + TRAILER_BYTES}"),
+                )  # fmt: skip
+            elif not sealed[j]:
+                report.fail(
+                    i, BlockStatus.BAD_TRAILER,
+                    TierChecksumError(f"Mooncake object {name} does not carry this block's "
+                                      "trailer (another layout or key, or torn)"),
+                )  # fmt: skip
+            elif found[j] != int(stored[j]):
+                report.fail(
+                    i, BlockStatus.CHECKSUM,
+                    TierChecksumError(f"Mooncake object {name}: checksum {found[j]:#018x}, "
+                                      f"its writer stored {int(stored[j]):#018x}"),
+                )  # fmt: skip
+            else:
+                report.status[i] = BlockStatus.OK
 
     async def _close_backend(self) -> None:
         if self._owns_dispatcher:

@@ -77,3 +77,27 @@ def test_the_payload_checksum_covers_every_buffer_in_order() -> None:
 )
 def test_mooncake_codes_map_to_block_outcomes(code: int, status: BlockStatus) -> None:
     assert status_of_code(code) is status
+
+
+def test_many_trailers_at_once_are_the_same_bytes_and_the_same_verdicts() -> None:
+    import numpy as np
+
+    from aiokvo.tiers.mooncake.format import key_digest, open_trailers, seal_trailers
+
+    ks = [key(f"k{i}") for i in range(5)]
+    lengths, sums = [64, 128, 64, 4096, 1], [1, 2**64 - 1, 0, 12345, 99]
+    raw = seal_trailers(LAYOUT, [key_digest(k) for k in ks], lengths, sums)
+    assert raw.shape == (5, TRAILER_BYTES) and raw.dtype == np.uint8
+    for i, k in enumerate(ks):
+        assert raw[i].tobytes() == pack_trailer(LAYOUT, k, lengths[i], sums[i])
+    damaged = raw.copy()
+    damaged[1, 30] ^= 1  # the key hash
+    damaged[3, 60] ^= 1  # the seal
+    ok, stored = open_trailers(damaged, LAYOUT, [key_digest(k) for k in ks], lengths)
+    assert ok.tolist() == [True, False, True, False, True]
+    assert [int(x) for x in stored[[0, 2, 4]]] == [1, 0, 99]
+    verdicts = [check_trailer(damaged[i].tobytes(), LAYOUT, k, lengths[i]) is not None
+                for i, k in enumerate(ks)]  # fmt: skip
+    assert verdicts == ok.tolist()
+    ok, _ = open_trailers(raw, bytes(16), [key_digest(k) for k in ks], lengths)
+    assert not ok.any()  # another layout
