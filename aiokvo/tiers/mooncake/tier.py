@@ -290,14 +290,15 @@ class MooncakeTier(Tier):
         rows = self._rows
         assert rows is not None
         config = self.config
-        host = config.local_hostname or route_address(config.master_server_addr)
-        settings = config.setup_settings(host)
         spans = rows[0].spans() + rows[1].spans()[-1:]  # the pool once, both arenas
         loop = asyncio.get_running_loop()
-        call = loop.run_in_executor(
-            executor,
-            partial(self._client.connect, settings, spans, probe_timeout=config.lookup_timeout),
-        )
+
+        def connect() -> None:  # on a control thread: route_address may resolve a name
+            host = config.local_hostname or route_address(config.master_server_addr)
+            settings = config.setup_settings(host)
+            self._client.connect(settings, spans, probe_timeout=config.lookup_timeout)
+
+        call = loop.run_in_executor(executor, connect)
         try:
             await asyncio.wait_for(asyncio.shield(call), config.setup_timeout)
         except (TierUnavailableError, TimeoutError, OSError) as exc:
