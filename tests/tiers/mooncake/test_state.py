@@ -197,3 +197,17 @@ def test_a_write_whose_call_failed_opens_the_breaker(status: BlockStatus) -> Non
     assert state.breaker.statistics(0.0).state == "open"
     assert state.prepare_write(keys("c"), 0.0) is None
     assert state.writes_refused == 1
+
+
+def test_the_pure_parts_import_without_asyncio_torch_or_mooncake() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import aiokvo.tiers.mooncake, aiokvo.tiers.mooncake.state, aiokvo.tiers.mooncake.spec\n"
+        "import aiokvo.tiers.mooncake.config, aiokvo.tiers.mooncake.format\n"
+        "bad = [m for m in ('asyncio', 'torch', 'mooncake') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
