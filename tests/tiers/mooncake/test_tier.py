@@ -351,3 +351,22 @@ async def test_a_promotion_that_ends_while_the_next_tier_looks_up_is_not_waited_
         assert found == 4 and kv.holds([20, 21, 22, 23], a_b + c_d)
         assert stats.promotion_timeouts == 0
         assert stats.hits_by_medium["DISK"] == 2 and stats.hits_by_medium["MOONCAKE"] == 2
+
+
+async def test_the_metrics_exporter_reads_the_mooncake_tier_like_any_tier(
+    cluster: FakeMooncakeCluster,
+) -> None:
+    from aiokvo.telemetry.prometheus import start_metrics_server
+    from tests.telemetry.scrape import parse, scrape, value
+
+    ks = keys(*"abcd")
+    kv_a, kv_b = KV(64), KV(64)
+    async with replica(fake_tier(cluster), kv_a) as a:
+        await store_on(a, kv_a, ks)
+    async with replica(fake_tier(cluster), kv_b) as b, start_metrics_server(b, 0) as server:
+        assert await b.load_prefix(ks, [20, 21, 22, 23]) == 4
+        s = parse(await scrape(server.url))
+    mooncake = {"medium": "MOONCAKE"}
+    assert value(s, "aiokvo_hit_blocks_total", **mooncake) == 4
+    assert value(s, "aiokvo_breaker_state", **mooncake, state="closed") == 1
+    assert value(s, "aiokvo_checksum_failures_total", **mooncake) == 0
