@@ -4,7 +4,10 @@ The pytest plugin (:mod:`aiokvo.testing.plugin`, loaded automatically)
 brings the GPU markers, the opt-in event-loop factories and the fixtures;
 this package holds what a test imports directly:
 
-* :func:`drain` and :func:`assert_no_leaks` (:mod:`aiokvo.testing.leaks`);
+* :func:`drain`, :func:`assert_no_leaks` and :func:`offloader_leaks`
+  (:mod:`aiokvo.testing.leaks`);
+* :class:`OffloaderFactory` and :func:`offload_config`
+  (:mod:`aiokvo.testing.offloaders`, the ``make_offloader`` fixture's);
 * :func:`make_kv_caches` and :class:`KVCaches` (:mod:`aiokvo.testing.kv`,
   needs torch);
 * :func:`probe_gpus`, :class:`GpuInfo`, :class:`GpuInventory`
@@ -24,18 +27,22 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from aiokvo.testing.gpu import GpuInfo, GpuInventory, probe_gpus
     from aiokvo.testing.kv import KVCaches, make_kv_caches
-    from aiokvo.testing.leaks import assert_no_leaks, drain, leaked_threads
+    from aiokvo.testing.leaks import assert_no_leaks, drain, leaked_threads, offloader_leaks
     from aiokvo.testing.mooncake import missing_mooncake, require_mooncake
+    from aiokvo.testing.offloaders import OffloaderFactory, offload_config
 
 __all__ = [
     "GpuInfo",
     "GpuInventory",
     "KVCaches",
+    "OffloaderFactory",
     "assert_no_leaks",
     "drain",
     "leaked_threads",
     "make_kv_caches",
     "missing_mooncake",
+    "offload_config",
+    "offloader_leaks",
     "probe_gpus",
     "require_mooncake",
 ]
@@ -44,6 +51,8 @@ _WHERE = {
     "GpuInfo": "gpu", "GpuInventory": "gpu", "probe_gpus": "gpu",
     "KVCaches": "kv", "make_kv_caches": "kv",
     "assert_no_leaks": "leaks", "drain": "leaks", "leaked_threads": "leaks",
+    "offloader_leaks": "leaks",
+    "OffloaderFactory": "offloaders", "offload_config": "offloaders",
     "missing_mooncake": "mooncake", "require_mooncake": "mooncake",
 }
 

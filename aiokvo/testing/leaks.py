@@ -20,7 +20,7 @@ from aiokvo.keys import OffloadKey, describe_key
 from aiokvo.manager.policies.base import WRITING, BlockStatus
 from aiokvo.specs import TransferResult
 
-__all__ = ["assert_no_leaks", "drain", "leaked_threads"]
+__all__ = ["assert_no_leaks", "drain", "leaked_threads", "offloader_leaks"]
 
 THREAD_PREFIX = "aiokvo-"
 POLLER_THREAD_PREFIX = "aiokvo-waiter-"
@@ -32,6 +32,10 @@ class _Manager(Protocol):
     def block_status(self, key: OffloadKey) -> BlockStatus | None: ...
 
     def __len__(self) -> int: ...
+
+
+class _Offloader(Protocol):
+    def statistics(self) -> Any: ...
 
 
 class _InFlight(Protocol):
@@ -94,10 +98,42 @@ def leaked_threads(
         alive[0].join(min(left, 0.05))
 
 
+def offloader_leaks(offloader: _Offloader) -> list[str]:
+    """What an :class:`~aiokvo.Offloader` still holds that finished work should have let go.
+
+    Read from its ``statistics()``: leases still pinning blocks, copies
+    still in flight, keys still being written, coroutines still waiting,
+    and a pool whose blocks do not add up (pinned, reserved, or neither
+    cached nor free). Empty when it is clean. Call it after ``drain()``.
+    """
+    stats = offloader.statistics()
+    pool = stats.manager
+    problems: list[str] = []
+    if stats.active_leases:
+        problems.append(f"{stats.active_leases} leases from pin_prefix never released")
+    if stats.loads_in_flight or stats.stores_in_flight:
+        problems.append(f"copies still in flight: {stats.loads_in_flight} loads, "
+                        f"{stats.stores_in_flight} stores")
+    if stats.writing_keys:
+        problems.append(f"{stats.writing_keys} keys still marked as being written")
+    if stats.waiters:
+        problems.append(f"{stats.waiters} coroutines still waiting in ready() or load_prefix()")
+    if pool.pinned_blocks:
+        problems.append(f"{pool.pinned_blocks} pool blocks still pinned by loads")
+    if pool.writing_blocks:
+        problems.append(f"{pool.writing_blocks} pool blocks still reserved by stores "
+                        "that never completed")
+    if pool.used_blocks + pool.free_blocks != pool.num_blocks:
+        problems.append(f"blocks leaked: {pool.used_blocks} used + {pool.free_blocks} free != "
+                        f"{pool.num_blocks} blocks")
+    return problems
+
+
 def assert_no_leaks(
     manager: _Manager | None = None,
     keys: Iterable[OffloadKey] = (),
     *,
+    offloader: _Offloader | None = None,
     num_blocks: int | None = None,
     driver: Any = None,
     threads: bool = True,
@@ -110,6 +146,9 @@ def assert_no_leaks(
       or reserved by a store that never completed (``ref_cnt == -1``);
       with ``num_blocks``, every block is either cached or free
       (``len(manager) + manager.num_free_blocks == num_blocks``).
+    * ``offloader`` (an :class:`~aiokvo.Offloader`): everything
+      :func:`offloader_leaks` lists (leases never released, copies or
+      stores still in flight, pinned or reserved pool blocks, lost blocks).
     * ``driver`` (a :class:`~aiokvo.device.fake.FakeDriver`): no stream,
       event, pinned registration or host allocation is still alive (the
       framework's current stream, ``driver.current_stream()``, is torch's,
@@ -145,6 +184,8 @@ def assert_no_leaks(
             elif len(manager) + free != num_blocks:
                 problems.append(f"blocks leaked: {len(manager)} cached + {free} free != "
                                 f"{num_blocks} blocks")
+    if offloader is not None:
+        problems += offloader_leaks(offloader)
     if driver is not None:
         driver.current_stream()  # make sure it exists, so that it can be left out
         counts = {"streams": driver.live_streams - 1, "events": driver.live_events,

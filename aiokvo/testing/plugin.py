@@ -18,12 +18,11 @@ off. What it adds (docs/testing.md has the walk-through):
   ``disk_tier_path`` (an owner-only directory for a disk tier),
   ``mooncake_cluster`` (a factory of throwaway Mooncake clusters on loopback,
   a master and storage-node processes stopped by pid after the test; skips
-  naming what is missing, fails on CI) and ``aiokvo_leak_check`` (fails the
-  test if it left ``aiokvo-*`` threads running); the helpers
+  naming what is missing, fails on CI), ``make_offloader`` and ``offloader``
+  (open Offloaders, drained, checked for leaks and closed when the test
+  ends; they need pytest-asyncio) and ``aiokvo_leak_check`` (fails the test
+  if it left ``aiokvo-*`` threads running); the helpers
   ``aiokvo.testing.drain`` and ``assert_no_leaks``.
-
-Coming with the features they need (not here yet): an ``offloader`` fixture
-(with the Offloader).
 """
 
 from __future__ import annotations
@@ -41,10 +40,21 @@ from aiokvo.testing import hookspecs
 from aiokvo.testing.gpu import GpuInventory, probe_gpus, requirement
 from aiokvo.testing.loops import LOOP_NAMES, LoopFactories
 
+try:
+    import pytest_asyncio
+
+    HAVE_PYTEST_ASYNCIO = True
+except ImportError:  # the offloader fixtures then say what they need
+    HAVE_PYTEST_ASYNCIO = False
+
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
     from aiokvo.device.fake import FakeDriver
+    from aiokvo.offloader import Offloader
     from aiokvo.testing.kv import KVCaches
     from aiokvo.testing.mooncake import ClusterFactory
+    from aiokvo.testing.offloaders import OffloaderFactory
 
 INI_LOOPS = "aiokvo_loop_factories"
 GPU_MARKERS = ("gpu", "multi_gpu", "min_gpu_memory")
@@ -199,6 +209,52 @@ def mooncake_cluster(
         yield factory
     finally:
         factory.stop()
+
+
+if HAVE_PYTEST_ASYNCIO:
+
+    @pytest_asyncio.fixture
+    async def make_offloader() -> AsyncIterator[OffloaderFactory]:
+        """A factory of open Offloaders: ``off = await make_offloader(kv, cpu_blocks=32, ...)``.
+
+        Arguments as :class:`aiokvo.testing.offloaders.OffloaderFactory`
+        (``kv`` from ``kv_caches``, ``cpu_blocks``, ``config``, ``tiers``,
+        ``handler_options``, any ``OffloadConfig`` field). When the test ends
+        each one's copies are waited for, it is checked for leaks (a lease
+        never released, a store never completed, a lost block) and closed;
+        leaks fail the test.
+        """
+        from aiokvo.testing.offloaders import OffloaderFactory
+
+        factory = OffloaderFactory()
+        try:
+            yield factory
+        finally:
+            await factory.aclose()
+
+    @pytest_asyncio.fixture
+    async def offloader(make_offloader: OffloaderFactory) -> Offloader:
+        """An open Offloader over ``make_kv_caches()``'s defaults with a 32-block CPU pool.
+
+        Checked for leaks and closed when the test ends (``make_offloader``).
+        Its KV caches are ``offloader.kv_caches`` (canonical); use
+        ``make_offloader(kv_caches(...))`` to keep the engine tensors.
+        """
+        return await make_offloader()
+
+else:
+
+    @pytest.fixture
+    def make_offloader() -> None:
+        """Needs pytest-asyncio (``pip install 'aiokvo[testing]'``)."""
+        pytest.fail("the make_offloader fixture needs pytest-asyncio (>= 1.4): "
+                    "pip install 'aiokvo[testing]'", pytrace=False)
+
+    @pytest.fixture
+    def offloader() -> None:
+        """Needs pytest-asyncio (``pip install 'aiokvo[testing]'``)."""
+        pytest.fail("the offloader fixture needs pytest-asyncio (>= 1.4): "
+                    "pip install 'aiokvo[testing]'", pytrace=False)
 
 
 @pytest.fixture
