@@ -92,7 +92,7 @@ def test_subscribe_attaches_and_passes_options() -> None:
     manager = TinyManager()
     sub = manager.subscribe(maxsize=7, overflow="drop_newest")
     assert (sub.maxsize, sub.overflow, sub.dropped, sub.closed) == (7, "drop_newest", 0, False)
-    assert manager._sink.active
+    assert manager.sink.active
     manager.store(1)
     assert sub.drain_nowait() == [stored(1)]
 
@@ -349,11 +349,11 @@ async def test_close_ends_a_waiting_reader_after_it_drains() -> None:
 async def test_close_detaches_from_the_manager() -> None:
     manager = TinyManager()
     sub = manager.subscribe()
-    assert manager._sink.active
+    assert manager.sink.active
     sub.close()
     sub.close()  # idempotent
     assert sub.closed
-    assert not manager._sink.active
+    assert not manager.sink.active
     sub.push(stored(9))  # a late push after close is ignored
     assert sub.qsize() == 0
     with pytest.raises(SubscriptionClosed):
@@ -366,12 +366,12 @@ async def test_async_with_and_aclose_detach() -> None:
     manager = TinyManager()
     async with manager.subscribe() as sub:
         manager.store(1)
-    assert sub.closed and not manager._sink.active
+    assert sub.closed and not manager.sink.active
     assert await sub.receive() == stored(1), "buffered events stay readable after close"
 
     other = manager.subscribe()
     await other.aclose()
-    assert other.closed and not manager._sink.active
+    assert other.closed and not manager.sink.active
 
 
 async def test_shutdown_closes_every_subscription() -> None:
@@ -525,12 +525,12 @@ async def test_a_subscription_dropped_without_close_detaches() -> None:
     for _ in range(300):
         assert await first_event() == stored(1)
     gc.collect()  # CPython frees them at once; other interpreters need a collection
-    assert len(manager._sink) == 0 and not manager._sink.active
+    assert len(manager.sink) == 0 and not manager.sink.active
     kept = manager.subscribe()
     dropped = weakref.ref(manager.subscribe())
     gc.collect()
     assert dropped() is None
-    assert len(manager._sink) == 1  # only the one still referenced
+    assert len(manager.sink) == 1  # only the one still referenced
     manager.store(2)
     assert kept.drain_nowait() == [stored(2)]
 
@@ -547,12 +547,12 @@ async def test_a_reader_keeps_an_otherwise_unreferenced_subscription_alive() -> 
     reader = asyncio.create_task(read_two())
     await asyncio.sleep(0)
     gc.collect()
-    assert len(manager._sink) == 1
+    assert len(manager.sink) == 1
     manager.store(1)
     manager.store(2)
     assert await asyncio.wait_for(reader, 5) == [stored(1), stored(2)]
     gc.collect()
-    assert len(manager._sink) == 0
+    assert len(manager.sink) == 0
 
 
 def test_the_sink_holds_any_subscriber_weakly() -> None:

@@ -544,7 +544,7 @@ def test_reuse_filter_delegates_events_and_shutdown() -> None:
     events = list(manager.take_events())
     assert [(e.keys, e.removed) for e in events] == [([key(0)], False)]
     manager.shutdown()
-    assert backing._sink._subscribers == []
+    assert len(backing.sink) == 0
 
 
 # -- prefix_len: the C-level run and where it stopped -----------------------------
