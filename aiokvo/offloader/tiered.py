@@ -298,13 +298,13 @@ class TierDriver:
         try:
             src = manager.prepare_load(store.keys, self._ctx)
         except (UnknownKeyError, BlockNotReadyError) as exc:  # evicted or rewritten meanwhile
-            tier.complete_store(store, _failed(exc))
+            self._end_store(tier, store, _failed(exc))
             return
         try:
             task = owner._worker.transfer_async(owner._job(), (src, store.spec))
         except BaseException as exc:
             manager.complete_load(store.keys)
-            tier.complete_store(store, _failed(exc))
+            self._end_store(tier, store, _failed(exc))
             if not isinstance(exc, Exception):
                 raise
             owner._report(f"{tier.medium} write", exc)
@@ -318,7 +318,7 @@ class TierDriver:
         owner = self._owner
         result = task.result()
         try:
-            tier.complete_store(store, result)
+            self._end_store(tier, store, result)
         except Exception as exc:
             owner._report(f"{tier.medium} complete_store", exc)
         try:
@@ -328,11 +328,22 @@ class TierDriver:
         finally:
             owner._copies.pop(result.job_id, None)
             self._pinned_by_writes[tier] -= len(store.keys)
-            if result.success:
-                self.write_blocks += len(store.keys)
-            else:
-                self.write_failures += len(store.keys)
             copy.finish(result)
+
+    def _end_store(self, tier: Tier, store: TierStore, result: TransferResult) -> None:
+        """Hand ``store`` back to ``tier``; count its keys written or not, one by one.
+
+        A transfer can fail part way with its first blocks written (a full
+        disk): the tier's ``store.written`` says which, as its own counters do.
+        """
+        try:
+            tier.complete_store(store, result)
+        finally:
+            written = store.written
+            if written is None:  # the tier does not say: the transfer's outcome is every key's
+                written = store.keys if result.success else []
+            self.write_blocks += len(written)
+            self.write_failures += len(store.keys) - len(written)
 
     # ----------------------------------------------------------- reporting
     def statistics(self) -> tuple[TierStatistics, ...]:

@@ -89,13 +89,17 @@ class TierStore:
     """One reservation to write ``keys`` to a tier: ``spec`` is the copy's destination.
 
     Hand it back to :meth:`Tier.complete_store` exactly once. ``evicted`` are
-    the keys the tier dropped to make room.
+    the keys the tier dropped to make room. ``written`` is set by
+    :meth:`Tier.complete_store` to the keys it committed (a transfer may fail
+    part way, its first blocks still written); None means the tier does not
+    say, and the transfer's success stands for every key.
     """
 
     keys: list[OffloadKey]
     spec: LoadStoreSpec
     evicted: list[OffloadKey] = field(default_factory=list)
     state: Any = field(default=None, repr=False)
+    written: list[OffloadKey] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -200,7 +204,11 @@ class Tier(ABC):
 
     @abstractmethod
     def complete_store(self, store: TierStore, result: TransferResult) -> None:
-        """The copy of ``store`` ended: its keys are readable on success, released otherwise."""
+        """The copy of ``store`` ended: the keys it wrote are readable, the rest released.
+
+        Sets ``store.written`` to the keys written, so that the Offloader
+        counts them block by block.
+        """
 
     @abstractmethod
     def statistics(self) -> TierStatistics:

@@ -312,6 +312,7 @@ class DiskTierState:
         self.bytes_written += nbytes
         self.write_seconds += seconds
         self._record(ticket, failed=disk_failed, now=now)
+        store.written = done
         return done
 
     # ------------------------------------------------------------- liveness

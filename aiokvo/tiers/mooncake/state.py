@@ -315,6 +315,7 @@ class MooncakeTierState:
         self.bytes_written += nbytes
         self.write_seconds += seconds
         self._record(store.state, failed=failed_call, now=now)
+        store.written = done
         return done
 
     # ------------------------------------------------------------- liveness
