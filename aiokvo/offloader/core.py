@@ -495,6 +495,7 @@ class Offloader(AsyncResource):
             promoted_blocks=0 if tiers is None else tiers.promoted_blocks,
             promotion_failures=0 if tiers is None else tiers.promotion_failures,
             promotion_timeouts=0 if tiers is None else tiers.promotion_timeouts,
+            promotions_no_room=0 if tiers is None else tiers.promotions_no_room,
             tier_writes=0 if tiers is None else tiers.writes,
             tier_write_blocks=0 if tiers is None else tiers.write_blocks,
             tier_write_failures=0 if tiers is None else tiers.write_failures,

@@ -71,8 +71,12 @@ class OffloaderStatistics:
       ``promotions`` tier-to-CPU transfers, ``promoted_blocks`` and
       ``promotion_failures`` blocks that came back good or not,
       ``promotion_timeouts`` promotions a load stopped waiting for (past
-      their tier's ``io_timeout``); ``tier_writes`` write-through transfers,
-      ``tier_write_blocks`` / ``tier_write_failures`` blocks written or not,
+      their tier's ``io_timeout``), ``promotions_no_room`` promotions not
+      started because the CPU pool had no room left for them once the tier
+      had answered (the load's prefix ends there); ``tier_writes``
+      write-through transfers, ``tier_write_blocks`` /
+      ``tier_write_failures`` blocks written or not (block by block, as the
+      tier counts them: a transfer failing part way counts both),
       ``tier_writes_skipped`` blocks not written because a tier's writes in
       flight already pinned its share of the pool; ``tiers`` each tier's
       own snapshot, top first.
@@ -115,6 +119,7 @@ class OffloaderStatistics:
     promoted_blocks: int = 0
     promotion_failures: int = 0
     promotion_timeouts: int = 0
+    promotions_no_room: int = 0
     tier_writes: int = 0
     tier_write_blocks: int = 0
     tier_write_failures: int = 0

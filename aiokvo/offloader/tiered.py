@@ -45,7 +45,7 @@ from aiokvo.keys import OffloadKey
 from aiokvo.manager.base import OffloadingManager
 from aiokvo.offloader.blocks import GpuBlocks
 from aiokvo.offloader.inflight import InFlight
-from aiokvo.specs import ReqContext, TransferResult
+from aiokvo.specs import PrepareStoreOutput, ReqContext, TransferResult
 from aiokvo.tiers.base import Tier, TierLoad, TierStatistics, TierStore
 
 __all__ = ["Promotion", "TierDriver", "positions"]
@@ -121,7 +121,7 @@ class TierDriver:
         # Counters (OffloaderStatistics).
         self.hits = dict.fromkeys(media, 0)
         self.promotions = self.promoted_blocks = self.promotion_failures = 0
-        self.promotion_timeouts = 0
+        self.promotion_timeouts = self.promotions_no_room = 0
         self.writes = self.write_blocks = self.write_failures = self.writes_skipped = 0
 
     # ------------------------------------------------------------- opening
@@ -162,7 +162,9 @@ class TierDriver:
 
         Each tier continues where the one above stopped; no more keys are
         promoted than the pool can hold next to the ``held`` keys the load
-        pinned (a prefix loads whole or not at all). Returns the promotions
+        pinned (a prefix loads whole or not at all); a tier's keys the pool has
+        no room for, or the tier does not read, end the prefix (counted in
+        ``promotions_no_room``, nothing reserved). Returns the promotions
         started; they may still be running if a tier's deadline passed (they
         complete themselves later).
         """
@@ -184,8 +186,14 @@ class TierDriver:
                 continue
             wanted = positions(keys, blocks, cursor, cursor + found)
             room -= len(wanted)
-            promotion = self._start(tier, wanted, ctx)
-            if promotion is not None:
+            out = self._store_manager.prepare_store(wanted, ctx)
+            if out is None:  # no room (others' pins, stores in flight): the prefix ends here
+                self.promotions_no_room += 1
+                break
+            if out.keys_to_store:  # else another load or store brought them in meanwhile
+                promotion = self._start(tier, out)
+                if promotion is None:
+                    break  # the tier did not read them: later tiers' keys would follow a gap
                 started.append(promotion)
             cursor += found
         if started:
@@ -196,12 +204,10 @@ class TierDriver:
                 return None  # the load goes on with what it holds
         return started
 
-    def _start(self, tier: Tier, keys: list[OffloadKey], ctx: ReqContext) -> Promotion | None:
+    def _start(self, tier: Tier, out: PrepareStoreOutput) -> Promotion | None:
+        """Read ``out``'s reserved keys from ``tier``; None (reservation released) if not."""
         owner = self._owner
         manager = self._store_manager
-        out = manager.prepare_store(keys, ctx)
-        if out is None or not out.keys_to_store:
-            return None  # no room in the pool, or someone else brought them in meanwhile
         reserved = out.keys_to_store
         load = tier.prepare_load(reserved)
         if load is None:

@@ -155,6 +155,14 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("counter", "aiokvo_offloader_cancelled_waits_total",
                "Calls cancelled while their copy went on."),
     MetricSpec("gauge", "aiokvo_offloader_waiters", "Coroutines waiting for stores in flight."),
+    MetricSpec("counter", "aiokvo_offloader_promotions_total",
+               "Promotions started: tier-to-CPU transfers for a load."),
+    MetricSpec("counter", "aiokvo_offloader_promotion_timeouts_total",
+               "Promotions a load stopped waiting for (past their tier's io_timeout)."),
+    MetricSpec("counter", "aiokvo_offloader_promotions_no_room_total",
+               "Promotions not started: the CPU pool had no room once the tier answered."),
+    MetricSpec("counter", "aiokvo_offloader_tier_writes_skipped_blocks_total",
+               "Blocks not written through: the tier's writes in flight pinned its share."),
     MetricSpec("counter", "aiokvo_reuse_filtered_blocks_total",
                "Blocks the reuse filter kept from being stored."),
     MetricSpec("gauge", "aiokvo_reuse_tracked_keys", "Keys the reuse filter counts now."),
@@ -664,6 +672,11 @@ def _parts(out: _Builder, stats: Any) -> None:
         out.add("aiokvo_offloader_store_waits_total", stats.store_waits + stats.polled_waits)
         out.add("aiokvo_offloader_cancelled_waits_total", stats.cancelled_waits)
         out.add("aiokvo_offloader_waiters", stats.waiters)
+        out.add("aiokvo_offloader_promotions_total", _int(stats, "promotions"))
+        out.add("aiokvo_offloader_promotion_timeouts_total", _int(stats, "promotion_timeouts"))
+        out.add("aiokvo_offloader_promotions_no_room_total", _int(stats, "promotions_no_room"))
+        out.add("aiokvo_offloader_tier_writes_skipped_blocks_total",
+                _int(stats, "tier_writes_skipped"))
     out.add("aiokvo_reuse_filtered_blocks_total", _int(manager, "reuse_filtered_blocks"))
     out.add("aiokvo_reuse_tracked_keys", _int(manager, "reuse_tracked_keys"))
     worker = getattr(stats, "worker", stats)

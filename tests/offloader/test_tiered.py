@@ -26,3 +26,32 @@ async def test_tier_write_counters_count_blocks_not_transfers(disk_tier_path: Pa
         assert (stats.tier_writes, stats.tier_write_blocks, stats.tier_write_failures) == (2, 5, 3)
         assert stats.manager.pinned_blocks == 0
 
+
+async def test_a_promotion_the_pool_has_no_room_for_is_counted_and_leaks_nothing(
+    disk_tier_path: Path,
+) -> None:
+    kv = KV()
+    old, new = keys("old", 4), keys("new", 4)
+    async with offloader(kv, disk_tier_path, cpu_blocks=4) as off:
+        await fill(off, kv, old)
+        await fill(off, kv, new, start=4)  # the pool holds 4: `old` is on disk only
+        tier = off.tiers[0]
+        assert isinstance(tier, DiskTier) and all(tier.state.holds(k) for k in old)
+        lease = off.pin_prefix(new)  # every CPU block pinned: no room to promote into
+        assert lease is not None and lease.count == 4
+        kv.clear(range(64))
+        assert await off.load_prefix(old, [20, 21, 22, 23]) == 0  # the prefix ends there
+        stats = off.statistics()
+        assert stats.promotions_no_room == 1
+        assert stats.promotions == 0 and stats.promotion_failures == 0
+        assert stats.manager.pinned_blocks == 4  # the lease's, nothing more
+        assert stats.manager.writing_blocks == 0 and stats.writing_keys == 0
+        assert stats.loads_in_flight == 0
+        assert tier.state.slots.statistics().pinned_blocks == 0
+        lease.release()
+        # With room again the same load promotes and loads the whole prefix.
+        assert await off.load_prefix(old, [20, 21, 22, 23]) == 4
+        assert kv.holds([20, 21, 22, 23], old)
+        stats = off.statistics()
+        assert stats.promotions_no_room == 1 and stats.promoted_blocks == 4
+        assert stats.manager.pinned_blocks == 0 and stats.writing_keys == 0

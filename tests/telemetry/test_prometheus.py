@@ -454,3 +454,36 @@ async def test_a_real_disk_tier_is_scraped_with_its_hits_and_blocks(disk_tier_pa
     assert value(s, "aiokvo_pool_used_blocks", **disk) == 12
     assert value(s, "aiokvo_breaker_state", **disk, state="closed") == 1
     assert value(s, "aiokvo_checksum_failures_total", **disk) == 0
+
+
+async def test_the_offloaders_promotion_and_write_through_counters_are_exported(
+    disk_tier_path: Any,
+) -> None:
+    """A promotion the pool has no room for and a write failing part way, scraped."""
+    from tests.tiers.disk._util import KV as DiskKV
+    from tests.tiers.disk._util import FaultyIO, fill
+    from tests.tiers.disk._util import keys as disk_keys
+    from tests.tiers.disk._util import offloader as disk_offloader
+
+    kv, io = DiskKV(), FaultyIO()
+    old, new = disk_keys("o", 4), disk_keys("n", 4)
+    async with disk_offloader(kv, disk_tier_path, cpu_blocks=4, file_io=io) as off:
+        metrics = OffloadMetrics(off, CollectorRegistry())
+        await fill(off, kv, old)
+        io.fail_after_bytes = io.written + kv.caches.page_bytes_per_block  # one more fits
+        await fill(off, kv, new, start=4)  # `old` leaves the pool; 1 of `new` reaches the disk
+        lease = off.pin_prefix(new)
+        assert lease is not None and lease.count == 4
+        assert await off.load_prefix(old, [20, 21, 22, 23]) == 0  # no room to promote into
+        s = parse(generate_latest(metrics.registry).decode())
+        stats = off.statistics()
+        lease.release()
+        metrics.close()
+    assert value(s, "aiokvo_offloader_promotions_no_room_total") == stats.promotions_no_room == 1
+    assert value(s, "aiokvo_offloader_promotions_total") == stats.promotions == 0
+    assert value(s, "aiokvo_offloader_promotion_timeouts_total") == 0
+    assert value(s, "aiokvo_offloader_tier_writes_skipped_blocks_total") == 0
+    disk = {"medium": "DISK"}
+    assert value(s, "aiokvo_stored_blocks_total", **disk) == stats.tier_write_blocks == 5
+    assert value(s, "aiokvo_failed_blocks_total", **disk, direction="store") == 3
+    assert stats.tier_write_failures == 3
