@@ -9,12 +9,12 @@ fails here, with its field named, instead of deep inside a copy.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from aiokvo._settings import parse_int
 from aiokvo._util import check_choice, check_int, check_name
 from aiokvo.errors import ConfigError
 from aiokvo.manager.policies.base import RECENCY_MODES, Recency
@@ -219,14 +219,14 @@ class OffloadConfig:
         return cls(
             gpu_block_sizes=tuple(gpu_block_sizes),
             hash_block_size=hash_block_size,
-            cpu_bytes_to_use=_parse_int("cpu_bytes_to_use", extra["cpu_bytes_to_use"]),
+            cpu_bytes_to_use=parse_int("cpu_bytes_to_use", extra["cpu_bytes_to_use"]),
             kv_bytes_per_block=kv_bytes_per_block,
             offloaded_block_size=(
-                None if block_size is None else _parse_int("block_size", block_size)
+                None if block_size is None else parse_int("block_size", block_size)
             ),
             eviction_policy=_parse_str("eviction_policy", extra.get("eviction_policy", "lru")),
-            store_threshold=_parse_int("store_threshold", extra.get("store_threshold", 0)),
-            max_tracker_size=_parse_int("max_tracker_size", extra.get("max_tracker_size", 64_000)),
+            store_threshold=parse_int("store_threshold", extra.get("store_threshold", 0)),
+            max_tracker_size=parse_int("max_tracker_size", extra.get("max_tracker_size", 64_000)),
             recency=extra.get("recency", "touch"),
             store_counting=extra.get("store_counting", "lookups"),
             enable_events=enable_events,
@@ -246,22 +246,6 @@ class OffloadConfig:
 def _check_str(name: str, value: object) -> None:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{name} must be a non-empty string, got {value!r}")
-
-
-def _parse_int(key: str, value: object) -> int:
-    """An int from a config value the way vLLM's ``int(value)`` reads it, minus surprises."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{key} must be an integer, got {value!r}")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            pass
-    raise ConfigError(f"{key} must be an integer, got {value!r}")
 
 
 def _parse_str(key: str, value: object) -> str:

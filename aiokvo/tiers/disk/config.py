@@ -8,12 +8,12 @@ config can ask for a disk tier. docs/tiers.md describes every knob.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from aiokvo._settings import check_seconds, settings_from_dict
 from aiokvo._util import check_choice, check_int
 from aiokvo.errors import ConfigError
 
@@ -24,19 +24,7 @@ __all__ = ["FSYNC_POLICIES", "DiskTierConfig", "FsyncPolicy"]
 
 FsyncPolicy = Literal["none", "commit"]
 FSYNC_POLICIES: tuple[FsyncPolicy, ...] = ("none", "commit")
-
-
-def _seconds(name: str, value: object, *, allow_zero: bool = False) -> float:
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, int | float)
-        and math.isfinite(value)
-        and (value >= 0 if allow_zero else value > 0)
-    )
-    if not ok:
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
+_INT_FIELDS = ("capacity_bytes", "admit_after", "failure_threshold", "max_tracked")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,20 +75,20 @@ class DiskTierConfig:
         check_choice("fsync", self.fsync, FSYNC_POLICIES)
         if not isinstance(self.policy, str) or not self.policy:
             raise ConfigError(f"policy must be a cache policy name, got {self.policy!r}")
-        object.__setattr__(self, "io_timeout", _seconds("io_timeout", self.io_timeout))
+        object.__setattr__(self, "io_timeout", check_seconds("io_timeout", self.io_timeout))
         if self.direct_io is not None and not isinstance(self.direct_io, bool):
             raise ConfigError(
                 f"direct_io must be None (probe), True or False, got {self.direct_io!r}"
             )
         object.__setattr__(
             self, "refresh_interval",
-            _seconds("refresh_interval", self.refresh_interval, allow_zero=True),
+            check_seconds("refresh_interval", self.refresh_interval, allow_zero=True),
         )  # fmt: skip
         object.__setattr__(
             self, "failure_threshold",
             check_int("failure_threshold", self.failure_threshold, minimum=1),
         )  # fmt: skip
-        object.__setattr__(self, "reset_after", _seconds("reset_after", self.reset_after))
+        object.__setattr__(self, "reset_after", check_seconds("reset_after", self.reset_after))
         max_tracked = check_int("max_tracked", self.max_tracked, minimum=1)
         object.__setattr__(self, "max_tracked", max_tracked)
         if self.max_write_blocks is not None:
@@ -112,17 +100,7 @@ class DiskTierConfig:
     @classmethod
     def from_dict(cls, settings: Mapping[str, Any]) -> DiskTierConfig:
         """From a JSON-style mapping (``kind`` may be present); unknown keys are errors."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in settings if k not in known and k != "kind")
-        if unknown:
-            raise ConfigError(
-                f"unknown disk tier settings {unknown}; known: {', '.join(sorted(known))}"
-            )
-        values = {k: v for k, v in settings.items() if k != "kind"}
-        for key in ("capacity_bytes", "admit_after", "failure_threshold", "max_tracked"):
-            if isinstance(values.get(key), str | float):
-                values[key] = _parse_int(key, values[key])
-        return cls(**values)
+        return settings_from_dict(cls, settings, "disk tier", ints=_INT_FIELDS)
 
     def build(self) -> Tier:
         """A :class:`~aiokvo.tiers.disk.DiskTier` with these settings."""
@@ -130,14 +108,3 @@ class DiskTierConfig:
 
         tier: Tier = importlib.import_module("aiokvo.tiers.disk.tier").DiskTier.from_config(self)
         return tier
-
-
-def _parse_int(key: str, value: object) -> int:
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            pass
-    raise ConfigError(f"{key} must be an integer, got {value!r}")

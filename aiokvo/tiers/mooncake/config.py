@@ -9,12 +9,12 @@ Mooncake's ``setup()`` takes; docs/tiers.md describes every knob.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from aiokvo._settings import check_seconds, settings_from_dict
 from aiokvo._util import check_int
 from aiokvo.errors import ConfigError
 
@@ -173,9 +173,9 @@ class MooncakeTierConfig:
             object.__setattr__(self, name, value)
         for name in ("io_timeout", "lookup_timeout", "setup_timeout", "reset_after",
                      "max_reset_after", "negative_ttl", "index_ttl"):  # fmt: skip
-            object.__setattr__(self, name, _seconds(name, getattr(self, name)))
+            object.__setattr__(self, name, check_seconds(name, getattr(self, name)))
         if self.rpc_timeout is not None:
-            object.__setattr__(self, "rpc_timeout", _seconds("rpc_timeout", self.rpc_timeout))
+            object.__setattr__(self, "rpc_timeout", check_seconds("rpc_timeout", self.rpc_timeout))
         if self.max_reset_after < self.reset_after:
             raise ConfigError(
                 f"max_reset_after={self.max_reset_after!r} is below "
@@ -214,20 +214,9 @@ class MooncakeTierConfig:
 
         Integers and seconds may be numeric strings, as in vLLM's extra config.
         """
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in settings if k not in known and k != "kind")
-        if unknown:
-            raise ConfigError(
-                f"unknown Mooncake tier settings {unknown}; known: {', '.join(sorted(known))}"
-            )
-        values = {k: v for k, v in settings.items() if k != "kind"}
-        for key in _INT_FIELDS:
-            if isinstance(values.get(key), str | float):
-                values[key] = _parse_int(key, values[key])
-        for key in _SECONDS_FIELDS:
-            if isinstance(values.get(key), str):
-                values[key] = _parse_float(key, values[key])
-        return cls(**values)
+        return settings_from_dict(
+            cls, settings, "Mooncake tier", ints=_INT_FIELDS, seconds=_SECONDS_FIELDS
+        )
 
     def build(self) -> Tier:
         """A :class:`~aiokvo.tiers.mooncake.MooncakeTier` with these settings."""
@@ -250,33 +239,3 @@ _SECONDS_FIELDS = (
 def _check_text(name: str, value: object) -> None:
     if not isinstance(value, str) or not value.strip() or not value.isprintable():
         raise ConfigError(f"{name} must be a non-empty printable string, got {value!r}")
-
-
-def _seconds(name: str, value: object) -> float:
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, int | float)
-        and math.isfinite(value)
-        and value > 0
-    )
-    if not ok:
-        raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
-
-
-def _parse_int(key: str, value: object) -> int:
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            pass
-    raise ConfigError(f"{key} must be an integer, got {value!r}")
-
-
-def _parse_float(key: str, value: str) -> float:
-    try:
-        return float(value.strip())
-    except ValueError:
-        raise ConfigError(f"{key} must be a number of seconds, got {value!r}") from None
