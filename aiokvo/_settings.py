@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from typing import Any, TypeVar
 
 from aiokvo.errors import ConfigError
@@ -73,15 +73,24 @@ def settings_from_dict(
 
     ``kind`` may be present (it names the tier); any other key that is not a
     field is a :class:`~aiokvo.errors.ConfigError` naming it and listing the
-    known ones (``what`` says whose: ``"disk tier"``). String and float
+    known ones (``what`` says whose: ``"disk tier"``), and so is a required
+    field left out (not a ``TypeError`` from the constructor). String and float
     values of the ``ints`` fields are parsed with :func:`parse_int`, string
     values of the ``seconds`` fields with :func:`parse_seconds`; the
     dataclass checks everything else itself.
     """
-    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    every = fields(cls)  # type: ignore[arg-type]
+    known = {f.name for f in every}
     unknown = sorted(str(k) for k in settings if k not in known and k != "kind")
     if unknown:
         raise ConfigError(f"unknown {what} settings {unknown}; known: {', '.join(sorted(known))}")
+    missing = sorted(
+        f.name
+        for f in every
+        if f.default is MISSING and f.default_factory is MISSING and f.name not in settings
+    )
+    if missing:
+        raise ConfigError(f"missing {what} settings: {', '.join(missing)} must be given")
     values = {k: v for k, v in settings.items() if k != "kind"}
     for key in ints:
         if isinstance(values.get(key), str | float):

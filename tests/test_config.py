@@ -10,6 +10,7 @@ import pytest
 
 from aiokvo.config import EXTRA_CONFIG_KEYS, OffloadConfig, UnknownConfigKeyWarning
 from aiokvo.errors import ConfigError
+from aiokvo.tiers import DiskTierConfig, MooncakeTierConfig
 
 GIB = 1 << 30
 
@@ -277,3 +278,63 @@ def test_from_dict_known_keys_do_not_warn() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         from_dict(extra)
+
+
+def _tiers_from_dict(*tiers: object) -> OffloadConfig:
+    return OffloadConfig.from_dict(
+        {"cpu_bytes_to_use": 1 << 20, "tiers": list(tiers)},
+        gpu_block_sizes=(16,), hash_block_size=16, kv_bytes_per_block=4096,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("settings", "missing"),
+    [
+        ({"kind": "disk", "root": "/tmp/t", "model_id": "m"}, "capacity_bytes"),
+        ({"kind": "disk"}, "capacity_bytes, model_id, root"),
+        ({"kind": "mooncake", "model_id": "m"}, "master_server_addr"),
+    ],
+)
+def test_from_dict_tiers_missing_required_keys_raise_config_error_naming_them(
+    settings: dict[str, Any], missing: str
+) -> None:
+    pattern = f"(?i)missing {settings['kind']} tier settings: {missing} must be given"
+    with pytest.raises(ConfigError, match=pattern):
+        _tiers_from_dict(settings)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ("disk", "tiers must be a list"),
+        ({"kind": "disk"}, "tiers must be a list"),  # one mapping, not a list of them
+        (["disk"], "a tier's settings must be a mapping"),
+        ([{"root": "/tmp/t"}], "unknown tier kind None; known: disk, mooncake"),
+        ([{"kind": "tape"}], "unknown tier kind 'tape'"),
+        ([{"kind": "disk", "root": "/tmp/t", "capacity_bytes": 1, "model_id": "m",
+           "capacity": 2}], r"unknown disk tier settings \['capacity'\]"),
+        ([{"kind": "disk", "root": "/tmp/t", "capacity_bytes": "1.5", "model_id": "m"}],
+         "capacity_bytes must be an integer, got '1.5'"),
+        ([{"kind": "disk", "root": "/tmp/t", "capacity_bytes": 1, "model_id": "m",
+           "io_timeout": "soon"}], "io_timeout must be a number of seconds, got 'soon'"),
+    ],
+)
+def test_from_dict_bad_tiers_raise_config_error(settings: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        OffloadConfig.from_dict(
+            {"cpu_bytes_to_use": 1 << 20, "tiers": settings},
+            gpu_block_sizes=(16,), hash_block_size=16, kv_bytes_per_block=4096,
+        )  # fmt: skip
+
+
+def test_from_dict_tiers_read_numbers_as_strings_the_same_way_for_every_kind() -> None:
+    disk = {"kind": "disk", "root": "/tmp/t", "model_id": "m", "capacity_bytes": "1048576",
+            "max_write_blocks": "8", "io_timeout": "2.5", "refresh_interval": "0",
+            "reset_after": 1e1}
+    moon = {"kind": "mooncake", "master_server_addr": "10.0.0.5:50051", "model_id": "m",
+            "max_write_blocks": "8", "io_timeout": "2.5"}
+    d, m = _tiers_from_dict(disk, moon).tiers
+    assert isinstance(d, DiskTierConfig) and isinstance(m, MooncakeTierConfig)
+    assert (d.capacity_bytes, d.max_write_blocks, d.io_timeout) == (1 << 20, 8, 2.5)
+    assert (d.refresh_interval, d.reset_after) == (0.0, 10.0)
+    assert (m.max_write_blocks, m.io_timeout) == (8, 2.5)

@@ -24,7 +24,14 @@ __all__ = ["FSYNC_POLICIES", "DiskTierConfig", "FsyncPolicy"]
 
 FsyncPolicy = Literal["none", "commit"]
 FSYNC_POLICIES: tuple[FsyncPolicy, ...] = ("none", "commit")
-_INT_FIELDS = ("capacity_bytes", "admit_after", "failure_threshold", "max_tracked")
+_INT_FIELDS = (
+    "capacity_bytes",
+    "admit_after",
+    "failure_threshold",
+    "max_tracked",
+    "max_write_blocks",
+)
+_SECONDS_FIELDS = ("io_timeout", "refresh_interval", "reset_after")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,8 +106,13 @@ class DiskTierConfig:
 
     @classmethod
     def from_dict(cls, settings: Mapping[str, Any]) -> DiskTierConfig:
-        """From a JSON-style mapping (``kind`` may be present); unknown keys are errors."""
-        return settings_from_dict(cls, settings, "disk tier", ints=_INT_FIELDS)
+        """From a JSON-style mapping (``kind`` may be present); unknown keys are errors.
+
+        Integers and seconds may be numeric strings, as in vLLM's extra config.
+        """
+        return settings_from_dict(
+            cls, settings, "disk tier", ints=_INT_FIELDS, seconds=_SECONDS_FIELDS
+        )
 
     def build(self) -> Tier:
         """A :class:`~aiokvo.tiers.disk.DiskTier` with these settings."""
