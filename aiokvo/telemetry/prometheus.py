@@ -627,38 +627,51 @@ def _families(
     return out.families()
 
 
+# One mapping each way: the collector writes these fields under these names, and
+# totals_from_text reads them back (the failure, usage and breaker families have labels
+# or derived values of their own).
+_TIER_SAMPLES: Mapping[str, str] = {
+    "aiokvo_lookups_total": "lookups",
+    "aiokvo_hit_blocks_total": "hit_blocks",
+    "aiokvo_miss_blocks_total": "miss_blocks",
+    "aiokvo_stored_blocks_total": "stored_blocks",
+    "aiokvo_loaded_blocks_total": "loaded_blocks",
+    "aiokvo_evicted_blocks_total": "evicted_blocks",
+    "aiokvo_refused_stores_total": "stores_refused",
+    "aiokvo_checksum_failures_total": "checksum_failures",
+    "aiokvo_timeouts_total": "timeouts",
+    "aiokvo_breaker_trips_total": "breaker_trips",
+    "aiokvo_pool_capacity_blocks": "num_blocks",
+    "aiokvo_pool_used_blocks": "used_blocks",
+    "aiokvo_pool_pinned_blocks": "pinned_blocks",
+    "aiokvo_pool_writing_blocks": "writing_blocks",
+    "aiokvo_pool_capacity_bytes": "capacity_bytes",
+    "aiokvo_pool_used_bytes": "used_bytes",
+}
+_TRANSFER_SAMPLES: Mapping[str, str] = {
+    "aiokvo_transfers_total": "transfers",
+    "aiokvo_transfer_failures_total": "failures",
+    "aiokvo_transfer_bytes_total": "bytes",
+    "aiokvo_transfer_copy_seconds_total": "seconds",
+    "aiokvo_transfers_in_flight": "in_flight",
+}
+
+
 def _tier(out: _Builder, medium: str, t: TierTotals) -> None:
-    out.add("aiokvo_lookups_total", t.lookups, medium)
-    out.add("aiokvo_hit_blocks_total", t.hit_blocks, medium)
-    out.add("aiokvo_miss_blocks_total", t.miss_blocks, medium)
-    out.add("aiokvo_stored_blocks_total", t.stored_blocks, medium)
-    out.add("aiokvo_loaded_blocks_total", t.loaded_blocks, medium)
-    out.add("aiokvo_evicted_blocks_total", t.evicted_blocks, medium)
+    for name, key in _TIER_SAMPLES.items():
+        out.add(name, getattr(t, key), medium)
     out.add("aiokvo_failed_blocks_total", t.store_failed_blocks, medium, "store")
     out.add("aiokvo_failed_blocks_total", t.load_failed_blocks, medium, "load")
-    out.add("aiokvo_refused_stores_total", t.stores_refused, medium)
-    out.add("aiokvo_checksum_failures_total", t.checksum_failures, medium)
-    out.add("aiokvo_timeouts_total", t.timeouts, medium)
-    out.add("aiokvo_breaker_trips_total", t.breaker_trips, medium)
+    out.add("aiokvo_pool_usage_ratio", t.usage, medium)
     if t.breaker_state is not None:
         states = dict.fromkeys((*_BREAKER_STATES, t.breaker_state))
         for state in states:
             out.add("aiokvo_breaker_state", float(state == t.breaker_state), medium, state)
-    out.add("aiokvo_pool_capacity_blocks", t.num_blocks, medium)
-    out.add("aiokvo_pool_used_blocks", t.used_blocks, medium)
-    out.add("aiokvo_pool_pinned_blocks", t.pinned_blocks, medium)
-    out.add("aiokvo_pool_writing_blocks", t.writing_blocks, medium)
-    out.add("aiokvo_pool_usage_ratio", t.usage, medium)
-    out.add("aiokvo_pool_capacity_bytes", t.capacity_bytes, medium)
-    out.add("aiokvo_pool_used_bytes", t.used_bytes, medium)
 
 
 def _transfer(out: _Builder, direction: str, medium: str, way: TransferTotals) -> None:
-    out.add("aiokvo_transfers_total", way.transfers, direction, medium)
-    out.add("aiokvo_transfer_failures_total", way.failures, direction, medium)
-    out.add("aiokvo_transfer_bytes_total", way.bytes, direction, medium)
-    out.add("aiokvo_transfer_copy_seconds_total", way.seconds, direction, medium)
-    out.add("aiokvo_transfers_in_flight", way.in_flight, direction, medium)
+    for name, key in _TRANSFER_SAMPLES.items():
+        out.add(name, getattr(way, key), direction, medium)
 
 
 def _parts(out: _Builder, stats: Any) -> None:
@@ -802,33 +815,6 @@ def start_metrics_server(
 
 
 # -- reading an exposition back (the live view) ---------------------------------------
-
-_TIER_SAMPLES: Mapping[str, str] = {
-    "aiokvo_lookups_total": "lookups",
-    "aiokvo_hit_blocks_total": "hit_blocks",
-    "aiokvo_miss_blocks_total": "miss_blocks",
-    "aiokvo_stored_blocks_total": "stored_blocks",
-    "aiokvo_loaded_blocks_total": "loaded_blocks",
-    "aiokvo_evicted_blocks_total": "evicted_blocks",
-    "aiokvo_refused_stores_total": "stores_refused",
-    "aiokvo_checksum_failures_total": "checksum_failures",
-    "aiokvo_timeouts_total": "timeouts",
-    "aiokvo_breaker_trips_total": "breaker_trips",
-    "aiokvo_pool_capacity_blocks": "num_blocks",
-    "aiokvo_pool_used_blocks": "used_blocks",
-    "aiokvo_pool_pinned_blocks": "pinned_blocks",
-    "aiokvo_pool_writing_blocks": "writing_blocks",
-    "aiokvo_pool_capacity_bytes": "capacity_bytes",
-    "aiokvo_pool_used_bytes": "used_bytes",
-}
-_TRANSFER_SAMPLES: Mapping[str, str] = {
-    "aiokvo_transfers_total": "transfers",
-    "aiokvo_transfer_failures_total": "failures",
-    "aiokvo_transfer_bytes_total": "bytes",
-    "aiokvo_transfer_copy_seconds_total": "seconds",
-    "aiokvo_transfers_in_flight": "in_flight",
-}
-
 
 def totals_from_text(text: str, *, at: float | None = None) -> Totals:
     """:class:`~aiokvo.telemetry.stats.Totals` from a scrape of aiokvo's metrics.
