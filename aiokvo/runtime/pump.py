@@ -87,7 +87,23 @@ class _Outcome:
         self.error: BaseException | None = None
 
 
-class PumpedLoop:
+class _OwnLoop:
+    """What both drivers share: the loop they made (``loop_factory``) and own."""
+
+    def __init__(self, loop_factory: LoopFactory | None) -> None:
+        self._loop = (loop_factory or asyncio.new_event_loop)()
+        self._closed = False
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+class PumpedLoop(_OwnLoop):
     """A private event loop that runs only inside :meth:`call`, :meth:`run` and :meth:`poll`.
 
     Calls may come from any thread, one at a time (a lock serialises them;
@@ -97,21 +113,12 @@ class PumpedLoop:
     """
 
     def __init__(self, loop_factory: LoopFactory | None = None) -> None:
-        self._loop = (loop_factory or asyncio.new_event_loop)()
+        super().__init__(loop_factory)
         self._lock = threading.Lock()
-        self._closed = False
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
 
     @property
     def runs_on_caller_thread(self) -> bool:
         return True
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def _check(self) -> None:
         if self._closed:
@@ -123,7 +130,7 @@ class PumpedLoop:
             )
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
-        outcome = _Outcome()
+        outcome = _Outcome()  # cheaper than a Future: nothing waits on another thread
 
         def invoke() -> None:
             try:
@@ -169,30 +176,21 @@ class PumpedLoop:
                 self._loop.close()
 
 
-class LoopThread:
+class LoopThread(_OwnLoop):
     """An event loop on a daemon thread of its own; calls hop to it and wait."""
 
     def __init__(
         self, loop_factory: LoopFactory | None = None, *, name: str = "aiokvo-loop"
     ) -> None:
-        self._loop = (loop_factory or asyncio.new_event_loop)()
+        super().__init__(loop_factory)
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
         self._started.wait()
-        self._closed = False
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
 
     @property
     def runs_on_caller_thread(self) -> bool:
         return False
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def _main(self) -> None:
         asyncio.set_event_loop(self._loop)
