@@ -15,7 +15,7 @@ from typing import Self, TypeVar
 
 from aiokvo.errors import AiokvoError, ConfigError
 
-__all__ = ["AsyncResource", "check_choice", "check_int", "check_name"]
+__all__ = ["AsyncResource", "check_choice", "check_int", "check_name", "check_text"]
 
 _T = TypeVar("_T")
 
@@ -92,6 +92,17 @@ def check_name(name: str, value: object, *, error: type[AiokvoError] = ConfigErr
     raise error(
         f"{name} must be 1-200 characters from [A-Za-z0-9._-] not starting with '.', got {value!r}"
     )
+
+
+def check_text(
+    name: str, value: object, *, printable: bool = False, error: type[AiokvoError] = ConfigError
+) -> str:
+    """``value`` if it is a string with something besides white space in it (and, with
+    ``printable``, no control characters), else ``error`` naming ``name``."""
+    if isinstance(value, str) and value.strip() and (not printable or value.isprintable()):
+        return value
+    kind = "non-empty printable string" if printable else "non-empty string"
+    raise error(f"{name} must be a {kind}, got {value!r}")
 
 
 def _bounds(minimum: int | None, maximum: int | None) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aiokvo._settings import parse_int
-from aiokvo._util import check_choice, check_int, check_name
+from aiokvo._util import check_choice, check_int, check_name, check_text
 from aiokvo.errors import ConfigError
 from aiokvo.manager.policies.base import RECENCY_MODES, Recency
 from aiokvo.manager.reuse import COUNTING_MODES, Counting
@@ -107,7 +107,7 @@ class OffloadConfig:
         self._int_field("kv_bytes_per_block", minimum=0)
         if self.offloaded_block_size is not None:
             self._check_offloaded_block_size(self.offloaded_block_size)
-        _check_str("eviction_policy", self.eviction_policy)
+        check_text("eviction_policy", self.eviction_policy)
         self._int_field("store_threshold", minimum=0)
         self._int_field("max_tracker_size", minimum=1)
         check_choice("recency", self.recency, RECENCY_MODES)
@@ -120,9 +120,9 @@ class OffloadConfig:
         )
         if self.instance_id is not None:
             check_name("instance_id", self.instance_id)
-        _check_str("spec_name", self.spec_name)
+        check_text("spec_name", self.spec_name)
         if self.spec_module_path is not None:
-            _check_str("spec_module_path", self.spec_module_path)
+            check_text("spec_module_path", self.spec_module_path)
         tiers: object = self.tiers
         if isinstance(tiers, str | bytes) or not isinstance(tiers, Sequence):
             raise ConfigError(f"tiers must be a sequence of tier configs, got {tiers!r}")
@@ -241,11 +241,6 @@ class OffloadConfig:
             ),
             tiers=tier_configs,
         )
-
-
-def _check_str(name: str, value: object) -> None:
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{name} must be a non-empty string, got {value!r}")
 
 
 def _parse_str(key: str, value: object) -> str:

@@ -16,7 +16,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from aiokvo._util import check_int
+from aiokvo._util import check_int, check_text
 from aiokvo.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -55,10 +55,8 @@ class LayoutFingerprint:
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        for name in ("model_id", "dtype"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value.strip():
-                raise ConfigError(f"{name} must be a non-empty string, got {value!r}")
+        check_text("model_id", self.model_id)
+        check_text("dtype", self.dtype)
         if not self.tensor_row_bytes or not self.group_refs:
             raise ConfigError("a layout fingerprint needs at least one tensor and one group")
         for group in self.group_refs:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from aiokvo._settings import check_seconds, settings_from_dict
-from aiokvo._util import check_choice, check_int
+from aiokvo._util import check_choice, check_int, check_text
 from aiokvo.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -71,12 +71,9 @@ class DiskTierConfig:
         object.__setattr__(
             self, "capacity_bytes", check_int("capacity_bytes", self.capacity_bytes, minimum=1)
         )
-        for name in ("model_id", "dtype"):
-            value = getattr(self, name)
-            if value is None and name == "dtype":
-                continue
-            if not isinstance(value, str) or not value.strip():
-                raise ConfigError(f"{name} must be a non-empty string, got {value!r}")
+        check_text("model_id", self.model_id)
+        if self.dtype is not None:
+            check_text("dtype", self.dtype)
         admit_after = check_int("admit_after", self.admit_after, minimum=1)
         object.__setattr__(self, "admit_after", admit_after)
         check_choice("fsync", self.fsync, FSYNC_POLICIES)

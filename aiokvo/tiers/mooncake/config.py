@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aiokvo._settings import check_seconds, settings_from_dict
-from aiokvo._util import check_int
+from aiokvo._util import check_int, check_text
 from aiokvo.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -132,13 +132,13 @@ class MooncakeTierConfig:
         address = self.master_server_addr
         if not isinstance(address, str) or not _ADDRESS.fullmatch(address):
             raise ConfigError(f"master_server_addr must be 'host:port', got {address!r}")
-        _check_text("model_id", self.model_id)
-        _check_text("metadata_server", self.metadata_server)
-        _check_text("tenant_id", self.tenant_id)
+        check_text("model_id", self.model_id, printable=True)
+        check_text("metadata_server", self.metadata_server, printable=True)
+        check_text("tenant_id", self.tenant_id, printable=True)
         for name in ("local_hostname", "dtype", "preferred_segment"):
             value = getattr(self, name)
             if value is not None:
-                _check_text(name, value)
+                check_text(name, value, printable=True)
         if not isinstance(self.protocol, str) or not _PROTOCOL.fullmatch(self.protocol):
             raise ConfigError(
                 f"protocol must be a Mooncake transport name ('tcp', 'rdma', ...), "
@@ -234,8 +234,3 @@ _SECONDS_FIELDS = (
     "io_timeout", "lookup_timeout", "setup_timeout", "rpc_timeout", "reset_after",
     "max_reset_after", "negative_ttl", "index_ttl",
 )  # fmt: skip
-
-
-def _check_text(name: str, value: object) -> None:
-    if not isinstance(value, str) or not value.strip() or not value.isprintable():
-        raise ConfigError(f"{name} must be a non-empty printable string, got {value!r}")
