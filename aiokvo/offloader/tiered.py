@@ -163,8 +163,8 @@ class TierDriver:
         Each tier continues where the one above stopped; no more keys are
         promoted than the pool can hold next to the ``held`` keys the load
         pinned (a prefix loads whole or not at all); a tier's keys the pool has
-        no room for, or the tier does not read, end the prefix (counted in
-        ``promotions_no_room``, nothing reserved). Returns the promotions
+        no room for (counted in ``promotions_no_room``), or that the tier will
+        not read, end the prefix, with nothing left reserved. Returns the promotions
         started; they may still be running if a tier's deadline passed (they
         complete themselves later).
         """
