@@ -1,6 +1,7 @@
 """The tiers against their own ceilings, and what they buy a prefix-reuse stream.
 
 Run:  .venv/bin/python benchmarks/bench_tiers.py [--dir DIR] [--mib 512] [--rounds 3]
+                                                 [--max-io-bytes N] [--no-disk]
                                                  [--mooncake local|HOST:PORT|off]
 
 1. **Throughput, side by side on one directory.** For each block size, the
@@ -50,6 +51,7 @@ import aiokvo
 from aiokvo import CanonicalKVCaches, CPULoadStoreSpec, OffloadConfig, Offloader, make_offload_key
 from aiokvo.tiers import DiskTier
 from aiokvo.tiers.disk.files import FileIO, read_all, write_all
+from aiokvo.tiers.disk.runs import DEFAULT_MAX_IO_BYTES
 
 TENSORS = 2  # K and V: two iovecs per block
 
@@ -61,7 +63,9 @@ def layout(block_bytes: int, gpu_blocks: int = 4) -> CanonicalKVCaches:
     )
 
 
-async def throughput(root: Path, block_bytes: int, total: int, rounds: int) -> list[str]:
+async def throughput(
+    root: Path, block_bytes: int, total: int, rounds: int, max_io_bytes: int = DEFAULT_MAX_IO_BYTES
+) -> list[str]:
     n = total // block_bytes
     kv = layout(block_bytes)
     config = OffloadConfig(
@@ -71,7 +75,7 @@ async def throughput(root: Path, block_bytes: int, total: int, rounds: int) -> l
     keys = [make_offload_key(hashlib.sha256(b"%d" % i).digest(), 0) for i in range(n)]
     tier = DiskTier(
         root, capacity_bytes=2 * n * block_bytes, model_id=f"bench-{block_bytes}",
-        refresh_interval=0,
+        refresh_interval=0, max_io_bytes=max_io_bytes,
     )  # fmt: skip
     lines = []
     async with Offloader(config, kv, tiers=[tier]) as off:
@@ -207,7 +211,9 @@ async def disk_sections(args: argparse.Namespace, base: Path) -> None:
     print("|---|---|---|---|---|---|---|---|")
     direct = False
     for kib in args.blocks:
-        lines, direct = await throughput(base / f"t{kib}", kib << 10, args.mib << 20, args.rounds)
+        lines, direct = await throughput(
+            base / f"t{kib}", kib << 10, args.mib << 20, args.rounds, args.max_io_bytes
+        )
         print("\n".join(lines))
     print(f"\nO_DIRECT: {direct}\n")
     print("| replay (working set 10x the CPU pool) | hit rate | requests/s |")
@@ -427,6 +433,10 @@ def main() -> None:
     p.add_argument("--pool", type=int, default=64, help="CPU pool blocks for the replay")
     p.add_argument("--requests", type=int, default=600)
     p.add_argument("--no-disk", action="store_true", help="skip the disk sections")
+    p.add_argument(
+        "--max-io-bytes", type=int, default=DEFAULT_MAX_IO_BYTES,
+        help="the disk tier's max_io_bytes (1: one system call per block, no coalescing)",
+    )  # fmt: skip
     p.add_argument(
         "--mooncake", default=_mooncake_default(),
         help="'local' (start a loopback cluster), a master HOST:PORT, or 'off'",

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from aiokvo._settings import check_seconds, settings_from_dict
 from aiokvo._util import check_choice, check_int, check_text
 from aiokvo.errors import ConfigError
+from aiokvo.tiers.disk.runs import DEFAULT_MAX_IO_BYTES
 
 if TYPE_CHECKING:
     from aiokvo.tiers.base import Tier
@@ -30,6 +31,7 @@ _INT_FIELDS = (
     "failure_threshold",
     "max_tracked",
     "max_write_blocks",
+    "max_io_bytes",
 )
 _SECONDS_FIELDS = ("io_timeout", "refresh_interval", "reset_after")
 
@@ -58,6 +60,7 @@ class DiskTierConfig:
     reset_after: float = 5.0
     max_tracked: int = 64_000
     max_write_blocks: int | None = None
+    max_io_bytes: int = DEFAULT_MAX_IO_BYTES
 
     kind = "disk"
 
@@ -100,6 +103,8 @@ class DiskTierConfig:
                 self, "max_write_blocks",
                 check_int("max_write_blocks", self.max_write_blocks, minimum=1),
             )  # fmt: skip
+        max_io_bytes = check_int("max_io_bytes", self.max_io_bytes, minimum=1)
+        object.__setattr__(self, "max_io_bytes", max_io_bytes)
 
     @classmethod
     def from_dict(cls, settings: Mapping[str, Any]) -> DiskTierConfig:

@@ -12,9 +12,11 @@ canonical tensor its key's group uses, back to back. ``os.pwritev`` and
 ``os.preadv`` move those rows straight between the CPU pool's pages and the
 file (one iovec per tensor, no staging copy), with O_DIRECT when the
 filesystem takes it and every pool row is page-aligned, else through the
-page cache. Writes: clear the slots' entries, write and checksum each
-block, (``fsync="commit"``: ``fdatasync``), commit the entries,
-(``fdatasync``). Reads: read each block and verify its checksum. Every block's
+page cache. Blocks in adjacent slots move in one call of up to
+``max_io_bytes`` (a run, :mod:`~aiokvo.tiers.disk.runs`). Writes: clear the
+slots' entries, write and checksum each run, (``fsync="commit"``:
+``fdatasync``), commit the entries, (``fdatasync``). Reads: read each run and
+verify every block's checksum. Every block's
 outcome goes in the spec's :class:`~aiokvo.tiers.disk.spec.BlockReport`;
 a transfer with any failed block fails with the first error.
 
@@ -29,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
@@ -46,7 +48,8 @@ from aiokvo.runtime.poller import PollerMode
 from aiokvo.specs import CPULoadStoreSpec, TransferSpec
 from aiokvo.tiers.disk.config import FsyncPolicy
 from aiokvo.tiers.disk.files import DIRECT_ALIGN, FileIO, ShortRead, read_all, write_all
-from aiokvo.tiers.disk.format import Entry
+from aiokvo.tiers.disk.format import Entry, checksum
+from aiokvo.tiers.disk.runs import DEFAULT_MAX_IO_BYTES, adjacent_runs
 from aiokvo.tiers.disk.slab import SlabDirectory, SlabFiles
 from aiokvo.tiers.disk.spec import BlockLocation, BlockStatus, DiskLoadStoreSpec
 from aiokvo.tiers.fingerprint import LayoutFingerprint
@@ -56,9 +59,13 @@ __all__ = ["DiskTierHandler"]
 SlabLookup = Callable[[int], "SlabFiles | None"]
 
 OVERLAP_MIN_BYTES = 64 << 10
-"""Blocks at least this big are checksummed on a helper thread while the next
-block's I/O runs (both release the GIL); smaller ones inline, where handing
-over would cost more than it saves."""
+"""Batches at least this big are checksummed on a helper thread while the next
+I/O runs (both release the GIL); smaller ones inline, where handing over
+would cost more than it saves."""
+VERIFY_BATCH_BYTES = 1 << 20
+"""Bytes of blocks gathered before they are handed to the helper thread as one
+batch: the hand-off (a future, a wake-up, GIL round trips) then costs per MiB,
+not per block, and the last batch, hashed after the last read, stays small."""
 Overdue = Callable[[DiskLoadStoreSpec], None]
 
 
@@ -69,6 +76,8 @@ class DiskTierHandler(SingleDirectionHandler):
     them a key's group uses; ``slabs`` finds a slab's open files by number;
     ``on_overdue`` is called on the loop when a transfer passes its deadline.
     ``dispatcher`` runs the jobs (default: a thread of the handler's own).
+    ``max_io_bytes`` bounds one coalesced ``preadv``/``pwritev`` (a block
+    alone may be bigger; at most the slot size: one call per block).
     """
 
     def __init__(
@@ -87,6 +96,7 @@ class DiskTierHandler(SingleDirectionHandler):
         dispatcher: DispatchThread | None = None,
         poller_mode: PollerMode | None = None,
         max_buffered: int = DEFAULT_MAX_BUFFERED,
+        max_io_bytes: int = DEFAULT_MAX_IO_BYTES,
     ) -> None:
         super().__init__(
             ("CPU", "DISK") if to_disk else ("DISK", "CPU"),
@@ -97,6 +107,7 @@ class DiskTierHandler(SingleDirectionHandler):
         self.fsync = fsync
         self.io_timeout = io_timeout
         self.slot_bytes = slot_bytes
+        self.max_io_bytes = max_io_bytes
         self._io = file_io
         self._directory = directory
         self._slabs = slabs
@@ -189,14 +200,17 @@ class DiskTierHandler(SingleDirectionHandler):
     ) -> tuple[()]:
         """On the write thread: clear, write, (sync,) commit, (sync).
 
+        Adjacent slots are written in one call (a run, :mod:`~aiokvo.tiers.disk.runs`).
         A block that fails stops the transfer there; the blocks written before
-        it are still committed, so a full disk loses only what did not fit.
+        it are still committed, so a full disk loses only what did not fit (a
+        run that fails is written again block by block to find that point).
         """
         io, directory, report, slot_bytes = self._io, self._directory, disk.report, self.slot_bytes
         commit = self.fsync == "commit"
         slabs = _distinct(files)
+        locations = disk.locations
         try:
-            for slab, where in zip(files, disk.locations, strict=True):
+            for slab, where in zip(files, locations, strict=True):
                 directory.clear(slab, where.slot)
             if commit:
                 for slab in slabs:
@@ -206,29 +220,41 @@ class DiskTierHandler(SingleDirectionHandler):
                 report.fail(i, BlockStatus.IO_ERROR, exc)
             raise
         written: list[int] = []
-        sums: dict[int, int | Future[int]] = {}
-        for i, (key, row, slab, where) in enumerate(
-            zip(disk.keys, rows, files, disk.locations, strict=True)
-        ):
+        sums = _Checksums(self._helper_pool)
+        for run in self._runs(range(len(rows)), disk, rows):
             if time.monotonic() > deadline:
-                _time_out(report, i, "write", self.io_timeout)
+                _time_out(report, run[0], "write", self.io_timeout)
                 break
-            buffers = self._buffers(key, row)
-            sums[i] = self._sum(buffers, self.payload_bytes(key))  # overlaps the write
-            try:
-                write_all(io, self._fd(slab), buffers, where.slot * slot_bytes)
-            except OSError as exc:
-                report.fail(i, BlockStatus.IO_ERROR, exc)
+            buffers = [self._buffers(disk.keys[i], rows[i]) for i in run]
+            sums.add(run, buffers, self._run_bytes(disk, run))  # overlaps the write
+            fd = self._fd(files[run[0]])
+            if len(run) > 1:
+                try:
+                    write_all(io, fd, _flat(buffers), locations[run[0]].slot * slot_bytes)
+                except OSError:
+                    pass  # find which blocks fit, one by one
+                else:
+                    written.extend(run)
+                    continue
+            failed = False
+            for i, blocks in zip(run, buffers, strict=True):
+                try:
+                    write_all(io, fd, blocks, locations[i].slot * slot_bytes)
+                except OSError as exc:
+                    report.fail(i, BlockStatus.IO_ERROR, exc)
+                    failed = True
+                    break
+                written.append(i)
+            if failed:
                 break
-            written.append(i)
-        for i, pending in sums.items():
-            report.checksums[i] = pending if isinstance(pending, int) else pending.result()
+        for i, value in sums.results():
+            report.checksums[i] = value
         try:
             if commit and written:
                 for slab in slabs:
                     io.fdatasync(slab.data_fd)
             for i in written:
-                where, key = disk.locations[i], disk.keys[i]
+                where, key = locations[i], disk.keys[i]
                 directory.commit(
                     files[i], where.slot, key, report.checksums[i], where.generation,
                     self.payload_bytes(key),
@@ -249,57 +275,95 @@ class DiskTierHandler(SingleDirectionHandler):
     def _read(
         self, disk: DiskLoadStoreSpec, rows: list[int], files: list[SlabFiles], deadline: float
     ) -> tuple[()]:
-        """On the read thread: read each block into its pool rows and verify it."""
+        """On the read thread: read each block into its pool rows and verify it.
+
+        In file order (sequential on the device, whatever order the slots were
+        handed out), adjacent slots in one call; each run's checksums are
+        computed in one pass on the helper thread while the next run is read.
+        """
         io, report, slot_bytes = self._io, disk.report, self.slot_bytes
-        sums: list[tuple[int, list[np.ndarray], int | Future[int]]] = []
         locations = disk.locations
-        # In file order: sequential on the device, whatever order the slots were handed out.
         order = sorted(range(len(rows)), key=lambda j: (locations[j].slab, locations[j].slot))
-        for i in order:
-            key, row, slab, where = disk.keys[i], rows[i], files[i], locations[i]
+        sums = _Checksums(self._helper_pool)
+        started = 0
+        for run in self._runs(order, disk, rows):
             if time.monotonic() > deadline:
-                for j in order[order.index(i) :]:
+                for j in order[started:]:
                     _time_out(report, j, "read", self.io_timeout, only=True)
                 break
-            buffers = self._buffers(key, row)
-            try:
-                read_all(io, self._fd(slab), buffers, where.slot * slot_bytes)
-            except ShortRead as exc:
-                report.fail(i, BlockStatus.MISSING, exc)
-                continue
-            except OSError as exc:
-                report.fail(i, BlockStatus.IO_ERROR, exc)
-                continue
-            sums.append((i, buffers, self._sum(buffers, self.payload_bytes(key))))
-        for i, _, pending in sums:  # verify every block read (its sum overlapped the next read)
-            found = pending if isinstance(pending, int) else pending.result()
-            key, slab, where = disk.keys[i], files[i], disk.locations[i]
-            if found == where.checksum:
+            started += len(run)
+            buffers = [self._buffers(disk.keys[i], rows[i]) for i in run]
+            fd = self._fd(files[run[0]])
+            if len(run) > 1:
+                try:
+                    read_all(io, fd, _flat(buffers), locations[run[0]].slot * slot_bytes)
+                except OSError:
+                    pass  # tell which blocks failed, one by one
+                else:
+                    sums.add(run, buffers, self._run_bytes(disk, run))
+                    continue
+            read, read_buffers = [], []
+            for i, blocks in zip(run, buffers, strict=True):
+                try:
+                    read_all(io, fd, blocks, locations[i].slot * slot_bytes)
+                except ShortRead as exc:
+                    report.fail(i, BlockStatus.MISSING, exc)
+                    continue
+                except OSError as exc:
+                    report.fail(i, BlockStatus.IO_ERROR, exc)
+                    continue
+                read.append(i)
+                read_buffers.append(blocks)
+            sums.add(read, read_buffers, self._run_bytes(disk, read))
+        for i, value in sums.results():  # verify every block read
+            if value == locations[i].checksum:
                 report.status[i] = BlockStatus.OK
-                continue
-            status = BlockStatus.CHECKSUM
-            if not slab.writer and not _still(self._directory, slab, where):
-                status = BlockStatus.STALE  # its writer moved on since our refresh
-            report.fail(
-                i, status,
-                TierChecksumError(
-                    f"block {key.hex()} in slot {where.slot} of slab {where.slab}: checksum "
-                    f"{found:#018x}, expected {where.checksum:#018x}"
-                    + (" (its writer replaced it)" if status is BlockStatus.STALE else "")
-                ),
-            )  # fmt: skip
+            else:
+                self._mismatch(disk, files[i], i, value)
         if report.error is not None:
             raise report.error
         return ()
 
-    def _sum(self, buffers: list[np.ndarray], nbytes: int) -> int | Future[int]:
-        """The blocks' checksum: now, or (big blocks) a future from the helper thread."""
-        if nbytes < OVERLAP_MIN_BYTES:
-            return _checksum(buffers)
+    def _mismatch(self, disk: DiskLoadStoreSpec, slab: SlabFiles, i: int, found: int) -> None:
+        """Block ``i`` was read and its bytes do not match: corrupt, or replaced by its writer."""
+        key, where = disk.keys[i], disk.locations[i]
+        status = BlockStatus.CHECKSUM
+        if not slab.writer and not _still(self._directory, slab, where):
+            status = BlockStatus.STALE  # its writer moved on since our refresh
+        disk.report.fail(
+            i, status,
+            TierChecksumError(
+                f"block {key.hex()} in slot {where.slot} of slab {where.slab}: checksum "
+                f"{found:#018x}, expected {where.checksum:#018x}"
+                + (" (its writer replaced it)" if status is BlockStatus.STALE else "")
+            ),
+        )  # fmt: skip
+
+    def _runs(
+        self, order: Sequence[int], disk: DiskLoadStoreSpec, rows: list[int]
+    ) -> list[list[int]]:
+        """``order`` cut into runs of adjacent slots (one system call each)."""
+        locations = disk.locations
+        groups = [get_offload_group_idx(key) for key in disk.keys]
+        return adjacent_runs(
+            order,
+            [where.slab for where in locations],
+            [where.slot for where in locations],
+            [self._payload[g] for g in groups],
+            [len(self._group_tensors[g]) for g in groups],
+            slot_bytes=self.slot_bytes,
+            max_bytes=self.max_io_bytes,
+        )
+
+    def _run_bytes(self, disk: DiskLoadStoreSpec, run: list[int]) -> int:
+        payload, keys = self._payload, disk.keys
+        return sum(payload[get_offload_group_idx(keys[i])] for i in run)
+
+    def _helper_pool(self) -> ThreadPoolExecutor:
         helper = self._helper
         if helper is None:
             helper = self._helper = ThreadPoolExecutor(1, thread_name_prefix="aiokvo-disk-sum")
-        return helper.submit(_checksum, buffers)
+        return helper
 
     async def _close_backend(self) -> None:
         if self._owns_dispatcher:
@@ -329,10 +393,52 @@ def _still(directory: SlabDirectory, slab: SlabFiles, where: BlockLocation) -> b
     return isinstance(entry, Entry) and entry.generation == where.generation
 
 
-def _checksum(buffers: list[np.ndarray]) -> int:
-    from aiokvo.tiers.disk.format import checksum
+def _checksums(blocks: list[list[np.ndarray]]) -> list[int]:
+    return [checksum(buffers) for buffers in blocks]
 
-    return checksum(buffers)
+
+class _Checksums:
+    """One job's blocks to checksum, handed to the helper thread in batches of at
+    least :data:`VERIFY_BATCH_BYTES` (one future and one wake-up per batch, not
+    per block), each hashed while the job's next I/O runs. A last batch under
+    :data:`OVERLAP_MIN_BYTES` is hashed inline."""
+
+    __slots__ = ("_blocks", "_bytes", "_ids", "_pending", "_pool")
+
+    def __init__(self, pool: Callable[[], ThreadPoolExecutor]) -> None:
+        self._pool = pool
+        self._pending: list[tuple[list[int], list[int] | Future[list[int]]]] = []
+        self._ids: list[int] = []
+        self._blocks: list[list[np.ndarray]] = []
+        self._bytes = 0
+
+    def add(self, ids: list[int], blocks: list[list[np.ndarray]], nbytes: int) -> None:
+        self._ids += ids
+        self._blocks += blocks
+        self._bytes += nbytes
+        if self._bytes >= VERIFY_BATCH_BYTES:
+            self._hand_off()
+
+    def _hand_off(self) -> None:
+        if not self._ids:
+            return
+        ids, blocks = self._ids, self._blocks
+        if self._bytes < OVERLAP_MIN_BYTES:
+            self._pending.append((ids, _checksums(blocks)))
+        else:
+            self._pending.append((ids, self._pool().submit(_checksums, blocks)))
+        self._ids, self._blocks, self._bytes = [], [], 0
+
+    def results(self) -> Iterator[tuple[int, int]]:
+        """``(block index, checksum)`` of every block added, in the order added."""
+        self._hand_off()
+        for ids, pending in self._pending:
+            found = pending if isinstance(pending, list) else pending.result()
+            yield from zip(ids, found, strict=True)
+
+
+def _flat(blocks: list[list[np.ndarray]]) -> list[np.ndarray]:
+    return [b for buffers in blocks for b in buffers]
 
 
 def _time_out(report: object, i: int, what: str, timeout: float, *, only: bool = False) -> None:
