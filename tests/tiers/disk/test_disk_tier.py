@@ -13,6 +13,7 @@ import pytest
 from aiokvo import OffloadConfig, OffloadingEvent
 from aiokvo.errors import ConfigError, UnsafeFileError
 from aiokvo.events import EventSubscription
+from aiokvo.keys import OffloadKey
 from aiokvo.tiers import DiskTier, DiskTierConfig
 from aiokvo.tiers.disk.format import ENTRY_BYTES, HEADER_PAGE
 from tests.tiers.disk._util import KV, FaultyIO, data_file, fill, keys, offloader
@@ -87,6 +88,61 @@ async def test_a_flipped_byte_is_a_counted_evented_removed_miss(disk_tier_path: 
         assert isinstance(tier, DiskTier)
         assert not tier.state.holds(ks[2])
         assert tier.state.holds(ks[3])
+
+
+def _slots(tier: DiskTier, ks: list[OffloadKey]) -> list[int]:
+    slots = [tier.state.slots.slot_of(k) for k in ks]
+    assert all(s is not None for s in slots)
+    return slots  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("max_io_bytes", [None, 1], ids=["coalesced", "one-call-per-block"])
+async def test_adjacent_slots_move_in_one_call_each_way(
+    disk_tier_path: Path, max_io_bytes: int | None
+) -> None:
+    kv = KV()
+    io = FaultyIO()
+    ks = keys("run", 8)
+    options = {} if max_io_bytes is None else {"max_io_bytes": max_io_bytes}
+    calls = 1 if max_io_bytes is None else 4
+    async with offloader(
+        kv, disk_tier_path, cpu_blocks=4, file_io=io, max_write_blocks=4, **options
+    ) as off:
+        await fill(off, kv, ks[:4])
+        assert io.writes == calls
+        await fill(off, kv, ks[4:], start=4)  # ks[:4] now on disk only
+        tier = off.tiers[0]
+        assert isinstance(tier, DiskTier)
+        first = _slots(tier, ks[:4])[0]
+        assert _slots(tier, ks[:4]) == list(range(first, first + 4))
+        kv.clear(range(64))
+        reads = io.reads
+        assert await off.load_prefix(ks[:4], [20, 21, 22, 23]) == 4
+        assert kv.holds([20, 21, 22, 23], ks[:4])
+        assert io.reads - reads == calls
+        assert off.statistics().tiers[0].blocks_read == 4
+
+
+async def test_a_data_file_cut_mid_run_serves_the_blocks_before_the_cut(
+    disk_tier_path: Path,
+) -> None:
+    kv = KV()
+    ks = keys("cut", 8)
+    async with offloader(kv, disk_tier_path, cpu_blocks=4, max_write_blocks=4) as off:
+        await fill(off, kv, ks[:4])
+        await fill(off, kv, ks[4:], start=4)  # ks[:4] now on disk only, in adjacent slots
+        tier = off.tiers[0]
+        assert isinstance(tier, DiskTier)
+        slots = _slots(tier, ks[:4])
+        assert slots == list(range(slots[0], slots[0] + 4))
+        os.truncate(data_file(tier), slots[2] * kv.slot_bytes())  # the file ends before key 2
+        kv.clear(range(64))
+        assert await off.load_prefix(ks, list(range(30, 38))) == 2
+        assert kv.holds([30, 31], ks[:2])
+        stats = off.statistics().tiers[0]
+        assert stats.read_failures == 2 and stats.checksum_failures == 0
+        assert tier.state.holds(ks[0]) and tier.state.holds(ks[1])
+        assert not tier.state.holds(ks[2]) and not tier.state.holds(ks[3])
 
 
 async def test_another_layout_or_model_never_reads_the_blocks(disk_tier_path: Path) -> None:
