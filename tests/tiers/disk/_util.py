@@ -31,16 +31,33 @@ def keys(prefix: str, n: int, group: int = 0) -> list[OffloadKey]:
 
 class KV:
     """``layers`` tensors of ``(num_blocks, page)`` int8 GPU blocks; the bytes of a block
-    are a function of its key, so every reload is checked byte for byte."""
+    are a function of its key (and ``salt``: two writers of one key with different
+    salts write different bytes, so a mix of the two is visible), so every reload is
+    checked byte for byte."""
 
-    def __init__(self, num_blocks: int = 64, *, page: int = 4096, layers: int = 2) -> None:
+    def __init__(
+        self, num_blocks: int = 64, *, page: int = 4096, layers: int = 2, salt: bytes = b""
+    ) -> None:
         self.page_bytes = page
+        self.salt = salt
         self.layers = [torch.zeros(num_blocks, page, dtype=torch.int8) for _ in range(layers)]
         self.caches = CanonicalKVCaches.from_engine(self.layers)
 
-    def page(self, k: OffloadKey, layer: int) -> np.ndarray:
-        digest = hashlib.shake_128(bytes(k) + bytes([layer])).digest(self.page_bytes)
+    def page(self, k: OffloadKey, layer: int, salt: bytes | None = None) -> np.ndarray:
+        salt = self.salt if salt is None else salt
+        digest = hashlib.shake_128(salt + bytes(k) + bytes([layer])).digest(self.page_bytes)
         return np.frombuffer(digest, dtype=np.int8)
+
+    def version(self, block: int, k: OffloadKey, salts: Sequence[bytes]) -> bytes | None:
+        """Which of ``salts`` wrote every layer of GPU block ``block`` for ``k`` (None: none
+        did, whole: a torn or corrupted block)."""
+        for salt in salts:
+            if all(
+                np.array_equal(tensor[block].numpy(), self.page(k, layer, salt))
+                for layer, tensor in enumerate(self.layers)
+            ):
+                return salt
+        return None
 
     def write(self, blocks: Sequence[int], ks: Sequence[OffloadKey]) -> None:
         for block, k in zip(blocks, ks, strict=True):
