@@ -1,7 +1,7 @@
 """The tiers against their own ceilings, and what they buy a prefix-reuse stream.
 
 Run:  .venv/bin/python benchmarks/bench_tiers.py [--dir DIR] [--mib 512] [--rounds 3]
-                                                 [--max-io-bytes N] [--no-disk]
+                                                 [--max-io-bytes N] [--read-threads N] [--no-disk]
                                                  [--mooncake local|HOST:PORT|off]
 
 1. **Throughput, side by side on one directory.** For each block size, the
@@ -51,7 +51,7 @@ import aiokvo
 from aiokvo import CanonicalKVCaches, CPULoadStoreSpec, OffloadConfig, Offloader, make_offload_key
 from aiokvo.tiers import DiskTier
 from aiokvo.tiers.disk.files import FileIO, read_all, write_all
-from aiokvo.tiers.disk.runs import DEFAULT_MAX_IO_BYTES
+from aiokvo.tiers.disk.runs import DEFAULT_MAX_IO_BYTES, DEFAULT_READ_THREADS
 
 TENSORS = 2  # K and V: two iovecs per block
 
@@ -64,7 +64,7 @@ def layout(block_bytes: int, gpu_blocks: int = 4) -> CanonicalKVCaches:
 
 
 async def throughput(
-    root: Path, block_bytes: int, total: int, rounds: int, max_io_bytes: int = DEFAULT_MAX_IO_BYTES
+    root: Path, block_bytes: int, total: int, rounds: int, **tier_options: int
 ) -> list[str]:
     n = total // block_bytes
     kv = layout(block_bytes)
@@ -75,7 +75,7 @@ async def throughput(
     keys = [make_offload_key(hashlib.sha256(b"%d" % i).digest(), 0) for i in range(n)]
     tier = DiskTier(
         root, capacity_bytes=2 * n * block_bytes, model_id=f"bench-{block_bytes}",
-        refresh_interval=0, max_io_bytes=max_io_bytes,
+        refresh_interval=0, **tier_options,
     )  # fmt: skip
     lines = []
     async with Offloader(config, kv, tiers=[tier]) as off:
@@ -212,8 +212,9 @@ async def disk_sections(args: argparse.Namespace, base: Path) -> None:
     direct = False
     for kib in args.blocks:
         lines, direct = await throughput(
-            base / f"t{kib}", kib << 10, args.mib << 20, args.rounds, args.max_io_bytes
-        )
+            base / f"t{kib}", kib << 10, args.mib << 20, args.rounds,
+            max_io_bytes=args.max_io_bytes, read_threads=args.read_threads,
+        )  # fmt: skip
         print("\n".join(lines))
     print(f"\nO_DIRECT: {direct}\n")
     print("| replay (working set 10x the CPU pool) | hit rate | requests/s |")
@@ -436,6 +437,10 @@ def main() -> None:
     p.add_argument(
         "--max-io-bytes", type=int, default=DEFAULT_MAX_IO_BYTES,
         help="the disk tier's max_io_bytes (1: one system call per block, no coalescing)",
+    )  # fmt: skip
+    p.add_argument(
+        "--read-threads", type=int, default=DEFAULT_READ_THREADS,
+        help="the disk tier's read_threads (1: one read in flight)",
     )  # fmt: skip
     p.add_argument(
         "--mooncake", default=_mooncake_default(),

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from aiokvo._settings import check_seconds, settings_from_dict
 from aiokvo._util import check_choice, check_int, check_text
 from aiokvo.errors import ConfigError
-from aiokvo.tiers.disk.runs import DEFAULT_MAX_IO_BYTES
+from aiokvo.tiers.disk.runs import DEFAULT_MAX_IO_BYTES, DEFAULT_READ_THREADS
 
 if TYPE_CHECKING:
     from aiokvo.tiers.base import Tier
@@ -32,6 +32,7 @@ _INT_FIELDS = (
     "max_tracked",
     "max_write_blocks",
     "max_io_bytes",
+    "read_threads",
 )
 _SECONDS_FIELDS = ("io_timeout", "refresh_interval", "reset_after")
 
@@ -61,6 +62,7 @@ class DiskTierConfig:
     max_tracked: int = 64_000
     max_write_blocks: int | None = None
     max_io_bytes: int = DEFAULT_MAX_IO_BYTES
+    read_threads: int = DEFAULT_READ_THREADS
 
     kind = "disk"
 
@@ -105,6 +107,8 @@ class DiskTierConfig:
             )  # fmt: skip
         max_io_bytes = check_int("max_io_bytes", self.max_io_bytes, minimum=1)
         object.__setattr__(self, "max_io_bytes", max_io_bytes)
+        read_threads = check_int("read_threads", self.read_threads, minimum=1)
+        object.__setattr__(self, "read_threads", read_threads)
 
     @classmethod
     def from_dict(cls, settings: Mapping[str, Any]) -> DiskTierConfig:

@@ -31,8 +31,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
 
 import numpy as np
@@ -49,7 +49,13 @@ from aiokvo.specs import CPULoadStoreSpec, TransferSpec
 from aiokvo.tiers.disk.config import FsyncPolicy
 from aiokvo.tiers.disk.files import DIRECT_ALIGN, FileIO, ShortRead, read_all, write_all
 from aiokvo.tiers.disk.format import Entry, checksum
-from aiokvo.tiers.disk.runs import DEFAULT_MAX_IO_BYTES, adjacent_runs
+from aiokvo.tiers.disk.runs import (
+    DEFAULT_MAX_IO_BYTES,
+    DEFAULT_READ_THREADS,
+    PARALLEL_READ_MIN_BYTES,
+    adjacent_runs,
+    shares,
+)
 from aiokvo.tiers.disk.slab import SlabDirectory, SlabFiles
 from aiokvo.tiers.disk.spec import BlockLocation, BlockStatus, DiskLoadStoreSpec
 from aiokvo.tiers.fingerprint import LayoutFingerprint
@@ -77,7 +83,10 @@ class DiskTierHandler(SingleDirectionHandler):
     ``on_overdue`` is called on the loop when a transfer passes its deadline.
     ``dispatcher`` runs the jobs (default: a thread of the handler's own).
     ``max_io_bytes`` bounds one coalesced ``preadv``/``pwritev`` (a block
-    alone may be bigger; at most the slot size: one call per block).
+    alone may be bigger; at most the slot size: one call per block);
+    ``read_threads`` how many reads of one big transfer are in flight at once
+    (reads only: writes stay one call at a time, in order, so a full disk
+    keeps exactly the blocks before the first that did not fit).
     """
 
     def __init__(
@@ -97,6 +106,7 @@ class DiskTierHandler(SingleDirectionHandler):
         poller_mode: PollerMode | None = None,
         max_buffered: int = DEFAULT_MAX_BUFFERED,
         max_io_bytes: int = DEFAULT_MAX_IO_BYTES,
+        read_threads: int = DEFAULT_READ_THREADS,
     ) -> None:
         super().__init__(
             ("CPU", "DISK") if to_disk else ("DISK", "CPU"),
@@ -108,6 +118,7 @@ class DiskTierHandler(SingleDirectionHandler):
         self.io_timeout = io_timeout
         self.slot_bytes = slot_bytes
         self.max_io_bytes = max_io_bytes
+        self.read_threads = read_threads
         self._io = file_io
         self._directory = directory
         self._slabs = slabs
@@ -121,6 +132,7 @@ class DiskTierHandler(SingleDirectionHandler):
         # O_DIRECT needs every buffer's address and length aligned: decided once.
         self.aligned = all(_page_aligned(t) for t in cpu_tensors)
         self._helper: ThreadPoolExecutor | None = None
+        self._readers: ThreadPoolExecutor | None = None
         self._owns_dispatcher = dispatcher is None
         name = "aiokvo-disk-write" if to_disk else "aiokvo-disk-read"
         self._dispatch = dispatcher or DispatchThread(name)
@@ -278,20 +290,62 @@ class DiskTierHandler(SingleDirectionHandler):
         """On the read thread: read each block into its pool rows and verify it.
 
         In file order (sequential on the device, whatever order the slots were
-        handed out), adjacent slots in one call; each run's checksums are
-        computed in one pass on the helper thread while the next run is read.
+        handed out), adjacent slots in one call. With one read thread, checksums
+        are computed in batches on the helper thread while the next runs are
+        read; with ``read_threads`` > 1 a big transfer's runs are cut into that
+        many contiguous shares, read at once (queue depth > 1), each thread
+        hashing its own blocks while the others' I/O runs. Returns only once
+        every share has finished writing into the pool rows.
         """
-        io, report, slot_bytes = self._io, disk.report, self.slot_bytes
-        locations = disk.locations
+        report, locations = disk.report, disk.locations
         order = sorted(range(len(rows)), key=lambda j: (locations[j].slab, locations[j].slot))
-        sums = _Checksums(self._helper_pool)
-        started = 0
-        for run in self._runs(order, disk, rows):
+        runs = self._runs(order, disk, rows)
+        parts = shares(runs, self.read_threads) if self._parallel(disk) else []
+        if len(parts) > 1:
+            pool = self._read_pool()
+            helpers = [
+                pool.submit(self._read_runs, disk, rows, files, part, deadline, _Checksums(None))
+                for part in parts[1:]
+            ]
+            try:
+                own = _Checksums(None)
+                self._read_runs(disk, rows, files, parts[0], deadline, own)
+            finally:
+                wait(helpers)  # never return while a share may still write into the rows
+            found = [*own.results()]
+            for helper in helpers:
+                found += helper.result().results()
+        else:
+            sums = _Checksums(self._helper_pool)
+            found = list(self._read_runs(disk, rows, files, runs, deadline, sums).results())
+        for i, value in found:  # verify every block read
+            if value == locations[i].checksum:
+                report.status[i] = BlockStatus.OK
+            else:
+                self._mismatch(disk, files[i], i, value)
+        if report.error is not None:
+            raise report.error
+        return ()
+
+    def _parallel(self, disk: DiskLoadStoreSpec) -> bool:
+        """Whether a read is big enough to share between threads (a hand-off costs
+        tens of microseconds: small promotions stay on one thread)."""
+        return self.read_threads > 1 and self._run_bytes(disk, range(len(disk))) >= (
+            PARALLEL_READ_MIN_BYTES
+        )
+
+    def _read_runs(
+        self, disk: DiskLoadStoreSpec, rows: list[int], files: list[SlabFiles],
+        runs: list[list[int]], deadline: float, sums: _Checksums,
+    ) -> _Checksums:  # fmt: skip
+        """Read ``runs`` (their blocks' checksums go to ``sums``); failures go to the report."""
+        io, report, slot_bytes, locations = self._io, disk.report, self.slot_bytes, disk.locations
+        for n, run in enumerate(runs):
             if time.monotonic() > deadline:
-                for j in order[started:]:
-                    _time_out(report, j, "read", self.io_timeout, only=True)
+                for later in runs[n:]:
+                    for j in later:
+                        _time_out(report, j, "read", self.io_timeout, only=True)
                 break
-            started += len(run)
             buffers = [self._buffers(disk.keys[i], rows[i]) for i in run]
             fd = self._fd(files[run[0]])
             if len(run) > 1:
@@ -315,14 +369,7 @@ class DiskTierHandler(SingleDirectionHandler):
                 read.append(i)
                 read_buffers.append(blocks)
             sums.add(read, read_buffers, self._run_bytes(disk, read))
-        for i, value in sums.results():  # verify every block read
-            if value == locations[i].checksum:
-                report.status[i] = BlockStatus.OK
-            else:
-                self._mismatch(disk, files[i], i, value)
-        if report.error is not None:
-            raise report.error
-        return ()
+        return sums
 
     def _mismatch(self, disk: DiskLoadStoreSpec, slab: SlabFiles, i: int, found: int) -> None:
         """Block ``i`` was read and its bytes do not match: corrupt, or replaced by its writer."""
@@ -355,9 +402,17 @@ class DiskTierHandler(SingleDirectionHandler):
             max_bytes=self.max_io_bytes,
         )
 
-    def _run_bytes(self, disk: DiskLoadStoreSpec, run: list[int]) -> int:
+    def _run_bytes(self, disk: DiskLoadStoreSpec, run: Iterable[int]) -> int:
         payload, keys = self._payload, disk.keys
         return sum(payload[get_offload_group_idx(keys[i])] for i in run)
+
+    def _read_pool(self) -> ThreadPoolExecutor:
+        pool = self._readers
+        if pool is None:
+            pool = self._readers = ThreadPoolExecutor(
+                self.read_threads - 1, thread_name_prefix="aiokvo-disk-read-io"
+            )
+        return pool
 
     def _helper_pool(self) -> ThreadPoolExecutor:
         helper = self._helper
@@ -368,8 +423,9 @@ class DiskTierHandler(SingleDirectionHandler):
     async def _close_backend(self) -> None:
         if self._owns_dispatcher:
             self._dispatch.shutdown()
-        if self._helper is not None:
-            self._helper.shutdown(wait=True)
+        for pool in (self._helper, self._readers):
+            if pool is not None:
+                pool.shutdown(wait=True)
         self._rows = []
 
     def run_later(self, work: Callable[[], object]) -> None:
@@ -401,11 +457,12 @@ class _Checksums:
     """One job's blocks to checksum, handed to the helper thread in batches of at
     least :data:`VERIFY_BATCH_BYTES` (one future and one wake-up per batch, not
     per block), each hashed while the job's next I/O runs. A last batch under
-    :data:`OVERLAP_MIN_BYTES` is hashed inline."""
+    :data:`OVERLAP_MIN_BYTES` is hashed inline, and every batch when ``pool``
+    is None (a read share: the other shares' I/O overlaps its hashing)."""
 
     __slots__ = ("_blocks", "_bytes", "_ids", "_pending", "_pool")
 
-    def __init__(self, pool: Callable[[], ThreadPoolExecutor]) -> None:
+    def __init__(self, pool: Callable[[], ThreadPoolExecutor] | None) -> None:
         self._pool = pool
         self._pending: list[tuple[list[int], list[int] | Future[list[int]]]] = []
         self._ids: list[int] = []
@@ -423,7 +480,7 @@ class _Checksums:
         if not self._ids:
             return
         ids, blocks = self._ids, self._blocks
-        if self._bytes < OVERLAP_MIN_BYTES:
+        if self._pool is None or self._bytes < OVERLAP_MIN_BYTES:
             self._pending.append((ids, _checksums(blocks)))
         else:
             self._pending.append((ids, self._pool().submit(_checksums, blocks)))

@@ -13,12 +13,28 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["DEFAULT_MAX_IO_BYTES", "IOV_MAX", "adjacent_runs"]
+__all__ = [
+    "DEFAULT_MAX_IO_BYTES",
+    "DEFAULT_READ_THREADS",
+    "IOV_MAX",
+    "PARALLEL_READ_MIN_BYTES",
+    "adjacent_runs",
+    "shares",
+]
 
 DEFAULT_MAX_IO_BYTES = 4 << 20
 """Bytes one coalesced call moves at most: large enough to amortise the call
 (several 256 KiB blocks), small enough that verifying one run overlaps the
 next run's I/O instead of waiting for the whole transfer."""
+
+DEFAULT_READ_THREADS = 2
+"""Reads of one transfer in flight at once (queue depth). Two let one thread's
+checksum pass overlap the other's I/O and keep the device busy between calls;
+disks with deep queues (NVMe) take more. Measured in ``benchmarks/RESULTS.md``."""
+
+PARALLEL_READ_MIN_BYTES = 1 << 20
+"""Reads smaller than this stay on one thread: handing a share to another
+costs tens of microseconds, more than reading a few small blocks."""
 
 
 def _iov_max() -> int:
@@ -77,3 +93,17 @@ def adjacent_runs(
     if run:
         runs.append(run)
     return runs
+
+
+def shares(runs: list[list[int]], n: int) -> list[list[list[int]]]:
+    """``runs`` cut into at most ``n`` contiguous shares of about as many blocks each
+    (contiguous: each share's reads stay sequential in the file); no share is empty."""
+    total = sum(len(run) for run in runs)
+    if n <= 1 or total == 0:
+        return [runs] if runs else []
+    cut: list[list[list[int]]] = [[] for _ in range(n)]
+    done = 0
+    for run in runs:
+        cut[min(n - 1, done * n // total)].append(run)
+        done += len(run)
+    return [share for share in cut if share]

@@ -35,7 +35,7 @@ from aiokvo.tiers.disk.config import DiskTierConfig, FsyncPolicy
 from aiokvo.tiers.disk.files import FileIO, probe_direct
 from aiokvo.tiers.disk.format import HEADER_PAGE, MAX_KEY_BYTES, Entry, SlabGeometry
 from aiokvo.tiers.disk.handler import DiskTierHandler
-from aiokvo.tiers.disk.runs import DEFAULT_MAX_IO_BYTES
+from aiokvo.tiers.disk.runs import DEFAULT_MAX_IO_BYTES, DEFAULT_READ_THREADS
 from aiokvo.tiers.disk.slab import SlabDirectory, SlabFiles
 from aiokvo.tiers.disk.spec import DISK_MEDIUM, BlockStatus, DiskLoadStoreSpec
 from aiokvo.tiers.disk.state import DiskTierState
@@ -94,7 +94,8 @@ class DiskTier(Tier):
     fail); ``max_write_blocks`` CPU blocks pinned by writes in flight at most
     (default half the pool); ``max_io_bytes`` the bytes one system call moves
     when adjacent slots are read or written together (4 MiB; the slot size
-    or less: one call per block). ``file_io`` replaces the system calls
+    or less: one call per block); ``read_threads`` the reads of one big
+    promotion in flight at once (2). ``file_io`` replaces the system calls
     (tests), ``clock`` the breaker's clock.
     """
 
@@ -118,6 +119,7 @@ class DiskTier(Tier):
         max_tracked: int = 64_000,
         max_write_blocks: int | None = None,
         max_io_bytes: int = DEFAULT_MAX_IO_BYTES,
+        read_threads: int = DEFAULT_READ_THREADS,
         file_io: FileIO | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -127,7 +129,7 @@ class DiskTier(Tier):
             direct_io=direct_io, refresh_interval=refresh_interval,
             failure_threshold=failure_threshold, reset_after=reset_after,
             max_tracked=max_tracked, max_write_blocks=max_write_blocks,
-            max_io_bytes=max_io_bytes,
+            max_io_bytes=max_io_bytes, read_threads=read_threads,
         )  # fmt: skip
         if file_io is not None and not isinstance(file_io, FileIO):
             raise ConfigError(f"file_io must be a FileIO, got {file_io!r}")
@@ -210,7 +212,7 @@ class DiskTier(Tier):
             "fingerprint": fingerprint, "slot_bytes": slot_bytes, "slabs": self._slabs.get,
             "fsync": config.fsync, "io_timeout": config.io_timeout, "file_io": self._file_io,
             "on_overdue": self._overdue, "directory": None,
-            "max_io_bytes": config.max_io_bytes,
+            "max_io_bytes": config.max_io_bytes, "read_threads": config.read_threads,
         }  # fmt: skip
         self._state = DiskTierState(
             num_slots,

@@ -136,6 +136,7 @@ class FaultyIO(FileIO):
         self.syncs = 0
         self.reads = 0
         self.writes = 0
+        self.reader_threads: set[str] = set()  # names of the threads that called preadv
 
     def pwritev(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
         if not self.write_gate.wait(60):
@@ -153,6 +154,7 @@ class FaultyIO(FileIO):
         if not self.read_gate.wait(60):
             raise TimeoutError("the test never opened the read gate")
         self.reads += 1
+        self.reader_threads.add(threading.current_thread().name)
         if self.fail_reads is not None:
             raise OSError(self.fail_reads, os.strerror(self.fail_reads))
         return super().preadv(fd, buffers, offset)

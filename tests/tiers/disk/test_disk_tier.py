@@ -145,6 +145,40 @@ async def test_a_data_file_cut_mid_run_serves_the_blocks_before_the_cut(
         assert not tier.state.holds(ks[2]) and not tier.state.holds(ks[3])
 
 
+@pytest.mark.parametrize("read_threads", [1, 3])
+async def test_a_big_promotion_read_by_several_threads_verifies_every_block(
+    disk_tier_path: Path, read_threads: int
+) -> None:
+    kv = KV(page=64 << 10)  # 128 KiB blocks: 16 of them are a read worth sharing
+    io = FaultyIO()
+    ks = keys("wide", 32)
+    async with offloader(
+        kv, disk_tier_path, cpu_blocks=16, file_io=io, max_write_blocks=16,
+        read_threads=read_threads, max_io_bytes=1,  # one call per block: 16 runs
+    ) as off:  # fmt: skip
+        await fill(off, kv, ks[:16])
+        await fill(off, kv, ks[16:], start=16)  # ks[:16] now on disk only
+        tier = off.tiers[0]
+        assert isinstance(tier, DiskTier)
+        slot = tier.state.slots.slot_of(ks[12])
+        assert slot is not None
+        with open(data_file(tier), "r+b") as f:  # flip one byte of key 12's block
+            f.seek(slot * kv.slot_bytes() + 5000)
+            byte = f.read(1)
+            f.seek(slot * kv.slot_bytes() + 5000)
+            f.write(bytes([byte[0] ^ 0x01]))
+        kv.clear(range(64))
+        reads, io.reader_threads = io.reads, set()
+        assert await off.load_prefix(ks[:16], list(range(40, 56))) == 12
+        assert kv.holds(range(40, 52), ks[:12])
+        assert io.reads - reads == 16  # every block was read (and all but one verified good)
+        assert len(io.reader_threads) == read_threads
+        stats = off.statistics().tiers[0]
+        assert stats.checksum_failures == 1 and stats.blocks_read == 15
+        assert not tier.state.holds(ks[12]) and tier.state.holds(ks[13])
+        assert off.statistics().manager.pinned_blocks == 0
+
+
 async def test_another_layout_or_model_never_reads_the_blocks(disk_tier_path: Path) -> None:
     kv = KV()
     ks = keys("f", 4)
@@ -411,6 +445,9 @@ async def test_settings_from_dict_build_the_disk_tier(disk_tier_path: Path) -> N
         ({"io_timeout": -1}, "io_timeout"),
         ({"model_id": ""}, "model_id"),
         ({"direct_io": "yes"}, "direct_io"),
+        ({"max_io_bytes": 0}, "max_io_bytes"),
+        ({"read_threads": 0}, "read_threads"),
+        ({"read_threads": 1.5}, "read_threads"),
     ],
 )
 def test_bad_settings_are_typed_errors(disk_tier_path: Path, options: dict, match: str) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aiokvo.tiers.disk.runs import adjacent_runs
+from aiokvo.tiers.disk.runs import adjacent_runs, shares
 
 SLOT = 8192
 
@@ -52,3 +52,15 @@ def test_runs_stay_within_their_bytes_and_iovecs() -> None:
     # A limit below one block: every block alone (one call each), none dropped.
     assert runs(list(range(3)), max_bytes=1) == [[0], [1], [2]]
     assert runs([0, 1], iovecs=[2000, 2000]) == [[0], [1]]
+
+
+def test_shares_are_contiguous_balanced_and_never_empty() -> None:
+    four = [[0], [1], [2], [3]]
+    assert shares(four, 2) == [[[0], [1]], [[2], [3]]]
+    assert shares(four, 1) == [four]
+    assert shares([[0, 1, 2, 3], [4]], 2) == [[[0, 1, 2, 3]], [[4]]]
+    assert shares([[0, 1, 2, 3, 4, 5]], 3) == [[[0, 1, 2, 3, 4, 5]]]  # a run is not cut
+    assert shares([], 2) == []
+    cut = shares([[i] for i in range(10)], 3)
+    assert [run for part in cut for run in part] == [[i] for i in range(10)]
+    assert len(cut) == 3 and max(map(len, cut)) - min(map(len, cut)) <= 1
