@@ -242,7 +242,7 @@ class DiskTierHandler(SingleDirectionHandler):
             fd = self._fd(files[run[0]])
             if len(run) > 1:
                 try:
-                    write_all(io, fd, _flat(buffers), locations[run[0]].slot * slot_bytes)
+                    write_all(io, fd, *self._in_file(disk, run, buffers))
                 except OSError:
                     pass  # find which blocks fit, one by one
                 else:
@@ -350,7 +350,7 @@ class DiskTierHandler(SingleDirectionHandler):
             fd = self._fd(files[run[0]])
             if len(run) > 1:
                 try:
-                    read_all(io, fd, _flat(buffers), locations[run[0]].slot * slot_bytes)
+                    read_all(io, fd, *self._in_file(disk, run, buffers))
                 except OSError:
                     pass  # tell which blocks failed, one by one
                 else:
@@ -401,6 +401,16 @@ class DiskTierHandler(SingleDirectionHandler):
             slot_bytes=self.slot_bytes,
             max_bytes=self.max_io_bytes,
         )
+
+    def _in_file(
+        self, disk: DiskLoadStoreSpec, run: list[int], buffers: list[list[np.ndarray]]
+    ) -> tuple[list[np.ndarray], int]:
+        """A run's buffers as the file holds them (a descending run reversed), and
+        where it starts: the arguments of its one coalesced call."""
+        locations = disk.locations
+        if locations[run[1]].slot < locations[run[0]].slot:
+            return _flat(buffers[::-1]), locations[run[-1]].slot * self.slot_bytes
+        return _flat(buffers), locations[run[0]].slot * self.slot_bytes
 
     def _run_bytes(self, disk: DiskLoadStoreSpec, run: Iterable[int]) -> int:
         payload, keys = self._payload, disk.keys

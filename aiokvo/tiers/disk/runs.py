@@ -1,11 +1,13 @@
 """Adjacent slots moved in one system call: grouping a transfer's blocks into runs (pure).
 
-A run is blocks whose slots follow one another in one slab, each but the
-last filling its slot whole (so the run's bytes are one contiguous range of
-the data file): one ``preadv``/``pwritev`` with every block's rows as the
-iovecs moves all of them. Fewer, larger calls are what the device is
-fastest at (measured in ``benchmarks/RESULTS.md``, "Disk tier"); each
-block keeps its own checksum and its own outcome.
+A run is blocks whose slots follow one another in one slab, in either
+direction, each filling its slot whole except the one last in the file (so
+the run's bytes are one contiguous range of the data file): one
+``preadv``/``pwritev`` with every block's rows as the iovecs, in file order,
+moves all of them. Fewer, larger calls are what the device is fastest at
+(measured in ``benchmarks/RESULTS.md``, "Disk tier"); each block keeps its
+own checksum and its own outcome. Descending runs matter for writes: slots
+freed together come back from the slot pool last-freed first.
 """
 
 from __future__ import annotations
@@ -64,31 +66,35 @@ def adjacent_runs(
 
     Block ``i`` is ``sizes[i]`` bytes in ``iovecs[i]`` buffers at slot
     ``slots[i]`` of slab ``slabs[i]``. Block ``j`` joins the run ending with
-    block ``i`` when it is the next slot of the same slab, ``i`` fills its
-    slot (no gap between them), and the run stays within ``max_bytes`` and
-    ``max_iovecs``. A block alone is a run whatever its size.
+    block ``i`` when it is in the same slab, in the slot right after ``i``'s
+    (or right before it, for a descending run: a run keeps one direction),
+    the block earlier in the file fills its slot (no gap between them), and
+    the run stays within ``max_bytes`` and ``max_iovecs``. A block alone is a
+    run whatever its size; a descending run's blocks are in the file in
+    reverse.
     """
     runs: list[list[int]] = []
     run: list[int] = []
     nbytes = nvecs = 0
+    step = 0  # the run's direction: +1, -1, or 0 while it has one block
     prev = -1
     for i in order:
-        if (
-            run
-            and slabs[i] == slabs[prev]
-            and slots[i] == slots[prev] + 1
-            and sizes[prev] == slot_bytes
-            and nbytes + sizes[i] <= max_bytes
-            and nvecs + iovecs[i] <= max_iovecs
+        if run and slabs[i] == slabs[prev] and nbytes + sizes[i] <= max_bytes and (
+            nvecs + iovecs[i] <= max_iovecs
         ):
-            run.append(i)
-            nbytes += sizes[i]
-            nvecs += iovecs[i]
-        else:
-            if run:
-                runs.append(run)
-            run = [i]
-            nbytes, nvecs = sizes[i], iovecs[i]
+            delta = slots[i] - slots[prev]
+            lower = prev if delta == 1 else i  # the block earlier in the file
+            if delta in (1, -1) and step in (0, delta) and sizes[lower] == slot_bytes:
+                run.append(i)
+                nbytes += sizes[i]
+                nvecs += iovecs[i]
+                step = delta
+                prev = i
+                continue
+        if run:
+            runs.append(run)
+        run = [i]
+        nbytes, nvecs, step = sizes[i], iovecs[i], 0
         prev = i
     if run:
         runs.append(run)

@@ -123,6 +123,31 @@ async def test_adjacent_slots_move_in_one_call_each_way(
         assert off.statistics().tiers[0].blocks_read == 4
 
 
+async def test_slots_freed_together_come_back_descending_and_are_written_in_one_call(
+    disk_tier_path: Path,
+) -> None:
+    kv = KV()
+    io = FaultyIO()
+    old, new = keys("old", 4), keys("new", 4)
+    async with offloader(
+        kv, disk_tier_path, cpu_blocks=4, slots=4, file_io=io, max_write_blocks=4
+    ) as off:
+        tier = off.tiers[0]
+        assert isinstance(tier, DiskTier)
+        await fill(off, kv, old)
+        writes = io.writes
+        await fill(off, kv, new, start=4)  # evicts the old four from the tier's four slots
+        assert not any(tier.state.holds(k) for k in old)
+        slots = _slots(tier, new)
+        assert slots == sorted(slots, reverse=True) == list(range(slots[0], slots[0] - 4, -1))
+        assert io.writes - writes == 1  # one pwritev, its iovecs in file order
+    kv.clear(range(64))
+    async with offloader(kv, disk_tier_path, cpu_blocks=4, slots=4) as off:  # from disk
+        assert await off.load_prefix(new, [30, 31, 32, 33]) == 4
+        assert kv.holds([30, 31, 32, 33], new)  # each block landed in its own slot
+        assert off.statistics().tiers[0].checksum_failures == 0
+
+
 async def test_a_data_file_cut_mid_run_serves_the_blocks_before_the_cut(
     disk_tier_path: Path,
 ) -> None:

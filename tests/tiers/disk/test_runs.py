@@ -33,7 +33,8 @@ def runs(
 def test_consecutive_slots_of_one_slab_are_one_run() -> None:
     assert runs([4, 5, 6, 7]) == [[0, 1, 2, 3]]
     assert runs([4, 5, 9, 10, 3]) == [[0, 1], [2, 3], [4]]
-    assert runs([5, 4]) == [[0], [1]]  # the file order is the caller's to choose
+    assert runs([5, 4, 3]) == [[0, 1, 2]]  # descending: slots freed together come back so
+    assert runs([5, 6, 5]) == [[0, 1], [2]]  # a run keeps one direction
     assert runs([7, 5, 6], order=[1, 2, 0]) == [[1, 2, 0]]
     assert runs([]) == []
 
@@ -42,8 +43,10 @@ def test_a_run_never_crosses_a_slab_or_a_gap() -> None:
     assert runs([0, 1, 2], slabs=[0, 0, 1]) == [[0, 1], [2]]
     # Block 1 leaves part of its slot unwritten: block 2 does not follow it in the file.
     assert runs([0, 1, 2, 3], sizes=[SLOT, 4096, SLOT, SLOT]) == [[0, 1], [2, 3]]
-    # A short block may end a run, never continue one.
+    # A short block may be last in the file, never followed there.
     assert runs([0, 1], sizes=[SLOT, 4096]) == [[0, 1]]
+    assert runs([3, 2, 1], sizes=[4096, SLOT, SLOT]) == [[0, 1, 2]]
+    assert runs([3, 2, 1], sizes=[SLOT, 4096, SLOT]) == [[0], [1, 2]]
 
 
 def test_runs_stay_within_their_bytes_and_iovecs() -> None:
