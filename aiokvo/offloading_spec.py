@@ -110,6 +110,12 @@ class CPUOffloadingSpec(OffloadingSpec):
         return () if self._handlers is None else self._handlers.cpu_tensors
 
     @property
+    def cpu_row_tail_bytes(self) -> int:
+        """Room after every pool row, outside :attr:`cpu_tensors` (``handler_options``'
+        ``row_tail_bytes``, granted by private pools only), once handlers are built."""
+        return 0 if self._handlers is None else self._handlers.row_tail_bytes
+
+    @property
     def region(self) -> SharedOffloadRegion | None:
         """The shared region the spec opened as the pool, once handlers are built."""
         return self._region

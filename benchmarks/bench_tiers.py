@@ -265,7 +265,8 @@ async def mooncake_throughput(
         (raw,) = stores
         (pool,) = off.spec.cpu_tensors  # type: ignore[attr-defined]
         pool.copy_(torch.randint(-128, 127, pool.shape, dtype=torch.int8))
-        ptrs = [pool.data_ptr() + b * block_bytes for b in range(n)]
+        stride = pool.stride(0)  # rows may have room for the tier's trailer after them
+        ptrs = [pool.data_ptr() + b * stride for b in range(n)]
         ids = CPULoadStoreSpec(np.arange(n))
         loop = asyncio.get_running_loop()
 

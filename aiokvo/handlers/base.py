@@ -382,13 +382,16 @@ class CpuGpuHandlers(AsyncResource):
     ``make_cuda_handlers``); closing closes both handlers. ``region`` is the
     shared region the pool's tensors are views of, if any: the pair borrows
     it, so closing drops the views (``cpu_tensors`` becomes empty) and leaves
-    the region open for whoever opened it to close.
+    the region open for whoever opened it to close. ``row_tail_bytes`` is the
+    room every row of the pool has after its KV bytes, outside the views
+    (what was asked for, or 0 where the pool cannot give it: a region's).
     """
 
     gpu_to_cpu: OffloadingHandler
     cpu_to_gpu: OffloadingHandler
     cpu_tensors: tuple[torch.Tensor, ...]
     region: SharedOffloadRegion | None = None
+    row_tail_bytes: int = 0
 
     async def aclose(self) -> None:
         """Close both directions (each waits for its copies in flight)."""

@@ -1,10 +1,20 @@
-"""The CPU pool of a handler pair made of a shared region's views (one region per engine).
+"""The CPU pool of a handler pair: its row geometry, or a shared region's views.
 
-Each canonical KV tensor gets one
+**Tail room.** A private pool may give every row ``row_tail_bytes`` of room
+after its KV bytes (:func:`padded_row_stride`): the pool tensors stay
+``(num_blocks, row bytes)`` views, so no copy, checksum or tier ever sees
+the room as KV bytes, but a tier that owns it (the Mooncake tier's trailer)
+can send a row and its room as one buffer. The stride is rounded up to a
+page when the rows are whole pages (a disk tier keeps O_DIRECT), else to
+64 bytes.
+
+**Regions.** With a shared region (one region per engine), each canonical
+KV tensor gets one
 :meth:`~aiokvo.memory.shared_region.SharedOffloadRegion.create_next_view`
 slice of this rank's part of every row: a ``(num_blocks, page_size_bytes *
 block_size_factor)`` int8 tensor whose row stride spans every tensor and
-every rank. Both backends copy to and from such strided rows. The region is
+every rank (no tail room: the bytes after a row are another tensor's or
+rank's). Both backends copy to and from such strided rows. The region is
 borrowed: the pair drops its views when it closes, and whoever opened the
 region closes it afterwards.
 """
@@ -22,7 +32,21 @@ if TYPE_CHECKING:
 
     from aiokvo.memory.shared_region import SharedOffloadRegion
 
-__all__ = ["region_pool"]
+__all__ = ["padded_row_stride", "region_pool"]
+
+_PAGE = 4096
+_LINE = 64
+
+
+def padded_row_stride(width: int, tail: int) -> int:
+    """The row stride of a pool of ``width``-byte rows with ``tail`` bytes of room
+    after each (``width`` itself for no room)."""
+    width = check_int("row width", width, minimum=0)
+    tail = check_int("row_tail_bytes", tail, minimum=0)
+    if not tail:
+        return width
+    unit = _PAGE if width and width % _PAGE == 0 else _LINE
+    return -(-(width + tail) // unit) * unit
 
 
 def region_pool(

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -120,6 +121,12 @@ class Offloader(AsyncResource):
             raise ConfigError(f"tiers need a CPUOffloadingSpec, but config names {spec!r}")
         manager = spec.get_manager()
         try:
+            # Room after each pool row for the first tier that wants some (its trailer).
+            tails = [tier.pool_row_tail_bytes(kv, config) for tier in tier_list]
+            owner = next((i for i, tail in enumerate(tails) if tail > 0), None)
+            if owner is not None:
+                assert isinstance(spec, CPUOffloadingSpec)
+                spec.handler_options.setdefault("row_tail_bytes", tails[owner])
             worker = OffloadingWorker(max_buffered=max_buffered)
             for route in spec.get_handlers(kv):
                 worker.register_handler(*route)
@@ -130,8 +137,11 @@ class Offloader(AsyncResource):
                     kv, spec.cpu_tensors, config, manager.sink,
                     None if kv is kv_caches else _dtype_of(kv_caches),
                 )  # fmt: skip
-                for tier in tier_list:
-                    for route in tier.bind(binding):
+                room = spec.cpu_row_tail_bytes
+                for i, tier in enumerate(tier_list):
+                    mine = i == owner and room >= tails[i]
+                    tier_binding = replace(binding, row_tail_bytes=room) if mine else binding
+                    for route in tier.bind(tier_binding):
                         worker.register_handler(*route)
                 backing = getattr(manager, "backing", None)  # promotions skip the reuse filter
                 driver = TierDriver(

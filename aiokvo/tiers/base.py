@@ -61,7 +61,10 @@ class TierBinding:
     manager publishes to; a tier publishes its own events there, with its
     own medium, so one subscription sees every tier in order. ``dtype`` is
     the engine tensors' dtype when the Offloader saw them (None for
-    already-canonical caches).
+    already-canonical caches). ``row_tail_bytes`` is the room after every
+    row of every pool tensor (outside the views) that is this tier's alone:
+    what its :meth:`Tier.pool_row_tail_bytes` asked for, or 0 (it did not
+    ask, another tier got it, or the pool is a shared region's).
     """
 
     kv_caches: CanonicalKVCaches
@@ -69,6 +72,7 @@ class TierBinding:
     config: OffloadConfig
     events: EventSink
     dtype: str | None = None
+    row_tail_bytes: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -162,6 +166,15 @@ class Tier(ABC):
 
     io_timeout: float
     """Seconds one transfer of this tier may take, queueing included."""
+
+    def pool_row_tail_bytes(self, kv_caches: CanonicalKVCaches, config: OffloadConfig) -> int:
+        """Room the tier would like after every CPU-pool row, for bytes of its own.
+
+        Asked before the pool exists; the first tier that asks for room gets
+        it (in :attr:`TierBinding.row_tail_bytes`), because two tiers writing
+        one row's room would overwrite each other. Default: none.
+        """
+        return 0
 
     @abstractmethod
     def bind(self, binding: TierBinding) -> Sequence[HandlerRoute]:

@@ -265,6 +265,22 @@ class MooncakeClient:
         finally:
             self._exit()
 
+    def put_from(self, names: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        """``batch_put_from``: one buffer per object; 0 or a negative code per object."""
+        store = self._enter()
+        try:
+            return list(store.batch_put_from(names, ptrs, sizes, self._replicate))
+        finally:
+            self._exit()
+
+    def get_into(self, names: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        """``batch_get_into``: one buffer per object; bytes read or a negative code."""
+        store = self._enter()
+        try:
+            return list(store.batch_get_into(names, ptrs, sizes))
+        finally:
+            self._exit()
+
     def get(self, names: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
         """``batch_get_into_multi_buffers``: bytes read or a negative code per object."""
         store = self._enter()

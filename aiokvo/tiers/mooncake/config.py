@@ -90,7 +90,14 @@ class MooncakeTierConfig:
     ``pipeline_bytes`` a larger transfer is split into batch calls of about
     that size, each overlapped with the next one's checksums (default None:
     one call per transfer, which measured best on a 2-core host;
-    benchmarks/RESULTS.md).
+    benchmarks/RESULTS.md). With ``row_trailers`` (default) the tier asks the
+    Offloader for room after every CPU-pool row and keeps each block's trailer
+    there, so a block of one canonical tensor goes out and in as one buffer
+    (Mooncake's TCP transport pays per buffer); the room costs a row's stride
+    rounded up to a page (rows of whole pages) or to 64 bytes, and the tier
+    asks only where that is at most 1/64 of a row. False: trailers in a
+    separate arena, one more buffer per block. The objects are the same
+    bytes either way.
     """
 
     master_server_addr: str
@@ -125,6 +132,7 @@ class MooncakeTierConfig:
     max_write_blocks: int | None = None
     pipeline_bytes: int | None = None
     checksum_threads: int = 2
+    row_trailers: bool = True
 
     kind = "mooncake"
 
@@ -147,7 +155,7 @@ class MooncakeTierConfig:
         for name in ("rdma_devices", "ssd_offload_path"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
-        for name in ("enable_ssd_offload", "enable_client_http_server"):
+        for name in ("enable_ssd_offload", "enable_client_http_server", "row_trailers"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         prefix = self.key_prefix

@@ -48,6 +48,7 @@ class _Calls:
     remove: int = 0
     close: int = 0
     names_asked: list[list[str]] = field(default_factory=list)
+    buffers: list[int] = field(default_factory=list)  # buffers per object of each put/get
 
 
 class FakeMooncakeCluster:
@@ -156,6 +157,18 @@ class FakeMooncakeStore:
             return [RPC_FAIL] * len(names)
         return [1 if n in cluster.objects else 0 for n in names]
 
+    def batch_put_from(
+        self, names: list[str], ptrs: list[int], sizes: list[int], config: object = None
+    ) -> list[int]:
+        """One buffer per object: the multi-buffer call's behaviour."""
+        return self.batch_put_from_multi_buffers(
+            names, [[p] for p in ptrs], [[n] for n in sizes], config
+        )
+
+    def batch_get_into(self, names: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        """One buffer per object: the multi-buffer call's behaviour."""
+        return self.batch_get_into_multi_buffers(names, [[p] for p in ptrs], [[n] for n in sizes])
+
     def batch_put_from_multi_buffers(
         self,
         names: list[str],
@@ -166,6 +179,7 @@ class FakeMooncakeStore:
         self._check()
         cluster = self.cluster
         cluster.calls.put += 1
+        cluster.calls.buffers.extend(len(parts) for parts in ptrs)
         cluster._wait()
         if cluster.down:
             return [RPC_FAIL] * len(names)
@@ -200,6 +214,7 @@ class FakeMooncakeStore:
         self._check()
         cluster = self.cluster
         cluster.calls.get += 1
+        cluster.calls.buffers.extend(len(parts) for parts in ptrs)
         cluster._wait()
         if cluster.down:
             return [RPC_FAIL] * len(names)

@@ -8,9 +8,9 @@ never even asks for them; ``key_prefix`` separates deployments sharing a
 cluster.
 
 **Objects.** One object per block, written from and read into the CPU pool
-with no staging copy (Mooncake's multi-buffer batch calls): a full pool row
-of each canonical tensor the key's group uses, in order, then a 64-byte
-trailer from a small registered arena:
+with no staging copy: a full pool row of each canonical tensor the key's
+group uses, in order, then a 64-byte trailer (kept in room after the pool
+row, or in a small registered arena: the same bytes either way):
 
 =======  =====  ====================================================
 offset   bytes  field

@@ -7,12 +7,16 @@ Mooncake's batch calls block and release the GIL, and promotions (which a
 load waits for) never queue behind write-through. The loop only checks,
 builds nothing heavier than the names, and enqueues; it never runs a call.
 
-A transfer is one batch call (``batch_put_from_multi_buffers`` /
-``batch_get_into_multi_buffers``) with, per block, the pool row of each
-canonical tensor its group uses, straight from or into the CPU pool's pages
-(registered once; no staging copy), and its 64-byte trailer in a registered
-arena (one slot per CPU block, one arena per direction;
-:mod:`~aiokvo.tiers.mooncake.format`). A put computes each block's xxh3
+A transfer is one batch call with, per block, the pool row of each canonical
+tensor its group uses, straight from or into the CPU pool's pages
+(registered once; no staging copy), and its 64-byte trailer
+(:mod:`~aiokvo.tiers.mooncake.format`). Where the pool gave the tier room
+after every row, the trailer sits right after the row of the block's last
+tensor, so a one-tensor block is one buffer and the call is
+``batch_put_from`` / ``batch_get_into`` (Mooncake's TCP transport pays per
+buffer); otherwise it sits in a registered arena (one slot per CPU block, one
+arena per direction) and the call is ``batch_put_from_multi_buffers`` /
+``batch_get_into_multi_buffers``. A put computes each block's xxh3
 checksum before its call, a get verifies length, trailer and checksum of
 every block after it, on ``checksum_threads`` threads together. With
 ``pipeline_bytes``, a larger transfer is split into calls of about that
@@ -38,6 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,28 +75,38 @@ from aiokvo.tiers.mooncake.format import (
 )
 from aiokvo.tiers.mooncake.spec import BlockStatus, MooncakeLoadStoreSpec
 
-__all__ = ["BlockRows", "MooncakeTierHandler"]
+__all__ = ["BlockRows", "Buffers", "MooncakeTierHandler"]
 
 Overdue = Callable[[MooncakeLoadStoreSpec], None]
+
+
+Buffers = tuple[list[int] | list[list[int]], list[int] | list[list[int]], bool]
+"""Pointers and sizes of a call's objects, and whether each is one buffer (flat lists
+for ``batch_put_from`` / ``batch_get_into``) or several (lists of lists)."""
 
 
 class BlockRows:
     """Where each block's bytes are in the CPU pool, for pointer lists and checksums.
 
     ``cpu_tensors[i]`` is the pool of canonical tensor ``i``
-    (``(num_cpu_blocks, row bytes)`` int8, rows contiguous, any row stride);
-    ``trailers`` a ``(num_cpu_blocks, 64)`` uint8 arena.
+    (``(num_cpu_blocks, row bytes)`` int8, rows contiguous, any row stride).
+    With ``row_tail_bytes`` (room after every row that is this tier's) a
+    block's trailer lives right after the row of the last tensor its group
+    uses, so a one-tensor block goes out and in as one buffer; otherwise in
+    ``trailers``, a ``(num_cpu_blocks, 64)`` uint8 arena (one more buffer).
     """
 
     def __init__(
         self,
         cpu_tensors: Sequence[torch.Tensor],
         fingerprint: LayoutFingerprint,
-        trailers: np.ndarray,
+        trailers: np.ndarray | None,
+        *,
+        row_tail_bytes: int = 0,
     ) -> None:
         if not cpu_tensors:
             raise TransferSpecError("a Mooncake tier needs the CPU pool's tensors")
-        self.num_blocks = min(int(t.shape[0]) for t in cpu_tensors)
+        self.num_blocks = n = min(int(t.shape[0]) for t in cpu_tensors)
         self._views = [t.numpy().view(np.uint8) for t in cpu_tensors]  # the pool: no copy
         self._base = [int(t.data_ptr()) for t in cpu_tensors]
         self._stride = [int(t.stride(0)) * t.element_size() for t in cpu_tensors]
@@ -105,22 +120,53 @@ class BlockRows:
         self.group_tensors = [fingerprint.group_tensors(g) for g in groups]
         self.payload = [fingerprint.payload_bytes(g) for g in groups]
         self.layout = fingerprint.digest()[:16]
-        if trailers.shape != (self.num_blocks, TRAILER_BYTES) or trailers.dtype != np.uint8:
+        self.in_row = row_tail_bytes >= TRAILER_BYTES
+        self._tail = TRAILER_BYTES if self.in_row else 0
+        count = len(self.group_tensors)
+        self._arena_span: tuple[int, int] | None = None
+        if self.in_row:
+            # The room after each row of each group's last tensor, as (n, 64) views
+            # (torch checks they lie inside the pool's memory).
+            self._arena = [self._room(cpu_tensors[t[-1]], n) for t in self.group_tensors]
+            self._trailer_base = [0] * count  # unused: a trailer extends its row's buffer
+            self.single = [len(t) == 1 for t in self.group_tensors]
+            return
+        shape = (n, TRAILER_BYTES)
+        if trailers is None or trailers.shape != shape or trailers.dtype != np.uint8:
+            raise TransferSpecError(f"the trailer arena must be {shape} uint8")
+        self._arena = [trailers] * count
+        self._trailer_base = [int(trailers.ctypes.data)] * count
+        self.single = [False] * count
+        self._arena_span = (int(trailers.ctypes.data), trailers.nbytes)
+
+    def _room(self, tensor: torch.Tensor, n: int) -> np.ndarray:
+        width = int(tensor.shape[1]) * tensor.element_size()
+        stride = int(tensor.stride(0)) * tensor.element_size()
+        if n > 1 and stride - width < TRAILER_BYTES:
             raise TransferSpecError(
-                f"the trailer arena must be ({self.num_blocks}, {TRAILER_BYTES}) uint8"
+                f"CPU pool rows of {width} bytes at stride {stride} have no room for a "
+                f"{TRAILER_BYTES}-byte trailer"
             )
-        self.trailers = trailers
-        self._trailer_base = int(trailers.ctypes.data)
+        try:
+            room = torch.as_strided(
+                tensor, (n, TRAILER_BYTES), (int(tensor.stride(0)), 1),
+                tensor.storage_offset() + int(tensor.shape[1]),
+            )  # fmt: skip
+        except RuntimeError as exc:
+            raise TransferSpecError(f"the CPU pool has no room after its rows: {exc}") from exc
+        return room.numpy().view(np.uint8)
 
     def spans(self) -> list[tuple[int, int]]:
-        """``(address, length)`` of every tensor's rows and of the arena: what to register."""
+        """``(address, length)`` of every tensor's rows (with their trailers' room) and
+        of the arena: what to register."""
         n = self.num_blocks
         spans = [
-            (base, stride * (n - 1) + width)
+            (base, stride * (n - 1) + width + self._tail)
             for base, stride, width in zip(self._base, self._stride, self._width, strict=True)
             if n
         ]
-        spans.append((self._trailer_base, self.trailers.nbytes))
+        if self._arena_span is not None:
+            spans.append(self._arena_span)
         return spans
 
     def group_of(self, key: OffloadKey) -> int:
@@ -136,32 +182,66 @@ class BlockRows:
         return self.payload[get_offload_group_idx(key)] + TRAILER_BYTES
 
     def buffers(self, group: int, row: int) -> list[np.ndarray]:
+        """The block's payload (its rows, never the trailer room) as views."""
         views = self._views
         return [views[t][row] for t in self.group_tensors[group]]
 
+    def write_trailers(self, groups: Sequence[int], rows: Sequence[int], raw: np.ndarray) -> None:
+        """Store the ``(k, 64)`` trailers ``raw`` of blocks at ``rows``."""
+        if not groups:
+            return
+        if all(g == groups[0] for g in groups):
+            self._arena[groups[0]][list(rows)] = raw
+            return
+        for j, (group, row) in enumerate(zip(groups, rows, strict=True)):
+            self._arena[group][row] = raw[j]
+
+    def read_trailers(self, groups: Sequence[int], rows: Sequence[int]) -> np.ndarray:
+        """The ``(k, 64)`` trailers of blocks at ``rows`` (a copy)."""
+        if groups and all(g == groups[0] for g in groups):
+            return self._arena[groups[0]][list(rows)]
+        out = np.empty((len(rows), TRAILER_BYTES), dtype=np.uint8)
+        for j, (group, row) in enumerate(zip(groups, rows, strict=True)):
+            out[j] = self._arena[group][row]
+        return out
+
     def pointers(self, group: int, row: int) -> tuple[list[int], list[int]]:
-        """The block's buffers as ``(pointers, sizes)``, trailer last."""
+        """The block's buffers as ``(pointers, sizes)``, trailer last (a one-tensor
+        block with its trailer in the row's room: one buffer)."""
         base, stride, width = self._base, self._stride, self._width
         tensors = self.group_tensors[group]
         ptrs = [base[t] + row * stride[t] for t in tensors]
         sizes = [width[t] for t in tensors]
-        ptrs.append(self._trailer_base + row * TRAILER_BYTES)
-        sizes.append(TRAILER_BYTES)
+        if self.in_row:
+            sizes[-1] += TRAILER_BYTES
+        else:
+            ptrs.append(self._trailer_base[group] + row * TRAILER_BYTES)
+            sizes.append(TRAILER_BYTES)
         return ptrs, sizes
 
-    def pointer_lists(
-        self, groups: Sequence[int], rows: Sequence[int]
-    ) -> tuple[list[list[int]], list[list[int]]]:
-        """:meth:`pointers` of many blocks (one numpy pass when they share a group)."""
+    def pointer_lists(self, groups: Sequence[int], rows: Sequence[int]) -> Buffers:
+        """The buffers of many blocks (one numpy pass when they share a group); flat
+        lists when every block is one buffer."""
         if not groups or any(g != groups[0] for g in groups):
             pairs = [self.pointers(g, r) for g, r in zip(groups, rows, strict=True)]
-            return [p for p, _ in pairs], [z for _, z in pairs]
-        tensors = self.group_tensors[groups[0]]
+            if pairs and all(len(p) == 1 for p, _ in pairs):
+                return [p[0] for p, _ in pairs], [z[0] for _, z in pairs], True
+            return [p for p, _ in pairs], [z for _, z in pairs], False
+        group = groups[0]
+        tensors = self.group_tensors[group]
         at = np.asarray(rows, dtype=np.int64)
+        if self.single[group]:
+            (t,) = tensors
+            ptrs = self._base[t] + at * self._stride[t]
+            return ptrs.tolist(), [self._width[t] + TRAILER_BYTES] * len(rows), True
         columns = [self._base[t] + at * self._stride[t] for t in tensors]
-        columns.append(self._trailer_base + at * TRAILER_BYTES)
-        sizes = [self._width[t] for t in tensors] + [TRAILER_BYTES]
-        return np.stack(columns, axis=1).tolist(), [sizes] * len(rows)
+        sizes = [self._width[t] for t in tensors]
+        if self.in_row:
+            sizes[-1] += TRAILER_BYTES
+        else:
+            columns.append(self._trailer_base[group] + at * TRAILER_BYTES)
+            sizes.append(TRAILER_BYTES)
+        return np.stack(columns, axis=1).tolist(), [sizes] * len(rows), False
 
 
 class MooncakeTierHandler(SingleDirectionHandler):
@@ -335,18 +415,17 @@ class MooncakeTierHandler(SingleDirectionHandler):
 
     def _call(
         self,
-        call: Callable[[list[str], list[list[int]], list[list[int]]], list[int]],
         remote: MooncakeLoadStoreSpec,
         lo: int,
         hi: int,
-        ptrs: list[list[int]],
-        sizes: list[list[int]],
+        buffers: Buffers,
         deadline: float,
         broken: list[BaseException],
     ) -> list[int] | None:
-        """One batch call for blocks ``lo:hi``; None (the blocks marked) if it did not
-        run or failed as a whole. After such a failure (``broken``), later chunks of the
-        transfer are not tried: the cluster just failed."""
+        """One batch call for blocks ``lo:hi`` (``batch_put_from`` / ``batch_get_into``
+        when each is one buffer, else the multi-buffer calls); None (the blocks marked)
+        if it did not run or failed as a whole. After such a failure (``broken``),
+        later chunks of the transfer are not tried: the cluster just failed."""
         report = remote.report
         if broken:
             report.fail_range(lo, hi, BlockStatus.RPC_FAILED, broken[0])
@@ -354,6 +433,14 @@ class MooncakeTierHandler(SingleDirectionHandler):
         if time.monotonic() > deadline:
             report.fail_range(lo, hi, BlockStatus.TIMEOUT, self._late())
             return None
+        ptrs, sizes, single = buffers
+        client = self._client
+        if self.to_cluster:
+            call: Callable[[list[str], Any, Any], list[int]] = (
+                client.put_from if single else client.put
+            )
+        else:
+            call = client.get_into if single else client.get
         try:
             codes = call(list(remote.names[lo:hi]), ptrs, sizes)
             if len(codes) != hi - lo:
@@ -378,8 +465,8 @@ class MooncakeTierHandler(SingleDirectionHandler):
         """On the put thread: checksums and trailers chunk by chunk, each chunk's batch
         put on the helper thread while the next chunk is checksummed."""
         report, rows = remote.report, self._rows
-        trailers, layout = rows.trailers, rows.layout
-        staged: dict[int, tuple[list[list[int]], list[list[int]]]] = {}
+        layout = rows.layout
+        staged: dict[int, Buffers] = {}
         broken: list[BaseException] = []
 
         checksums = [0] * len(remote)
@@ -391,16 +478,15 @@ class MooncakeTierHandler(SingleDirectionHandler):
 
         def seal(lo: int, hi: int) -> None:
             self._each(checksum, lo, hi)
-            at = block_rows[lo:hi]
-            trailers[at] = seal_trailers(
-                layout, key_hashes[lo:hi], [rows.payload[g] for g in groups[lo:hi]],
-                checksums[lo:hi],
-            )  # fmt: skip
-            staged[lo] = rows.pointer_lists(groups[lo:hi], at)
+            at, of = block_rows[lo:hi], groups[lo:hi]
+            sealed = seal_trailers(
+                layout, key_hashes[lo:hi], [rows.payload[g] for g in of], checksums[lo:hi]
+            )
+            rows.write_trailers(of, at, sealed)
+            staged[lo] = rows.pointer_lists(of, at)
 
         def put(lo: int, hi: int) -> None:
-            ptrs, sizes = staged.pop(lo)
-            codes = self._call(self._client.put, remote, lo, hi, ptrs, sizes, deadline, broken)
+            codes = self._call(remote, lo, hi, staged.pop(lo), deadline, broken)
             if codes is None:
                 return
             for i, code in zip(range(lo, hi), codes, strict=True):
@@ -419,26 +505,25 @@ class MooncakeTierHandler(SingleDirectionHandler):
         """On the get thread: a batch get per chunk; each chunk's lengths, trailers and
         checksums are verified on the helper thread while the next chunk is read."""
         rows = self._rows
-        trailers, layout = rows.trailers, rows.layout
         fetched: dict[int, list[int]] = {}
         broken: list[BaseException] = []
 
         def get(lo: int, hi: int) -> None:
-            ptrs, sizes = rows.pointer_lists(groups[lo:hi], block_rows[lo:hi])
-            codes = self._call(self._client.get, remote, lo, hi, ptrs, sizes, deadline, broken)
+            buffers = rows.pointer_lists(groups[lo:hi], block_rows[lo:hi])
+            codes = self._call(remote, lo, hi, buffers, deadline, broken)
             if codes is not None:
                 fetched[lo] = codes
 
         def verify(lo: int, hi: int) -> None:
             codes = fetched.pop(lo, None)
             if codes is not None:
-                self._verify(remote, lo, hi, codes, groups, block_rows, trailers, layout)
+                self._verify(remote, lo, hi, codes, groups, block_rows)
 
         return self._run(remote, deadline, get, verify, groups)
 
     def _verify(
         self, remote: MooncakeLoadStoreSpec, lo: int, hi: int, codes: list[int],
-        groups: list[int], block_rows: list[int], trailers: np.ndarray, layout: bytes,
+        groups: list[int], block_rows: list[int],
     ) -> None:  # fmt: skip
         """Length, trailer and checksum of blocks ``lo:hi`` (read with ``codes``): their
         statuses. Payloads are hashed on ``checksum_threads`` threads, trailers at once."""
@@ -453,7 +538,8 @@ class MooncakeTierHandler(SingleDirectionHandler):
                 found[i - lo] = payload_checksum(rows.buffers(groups[i], block_rows[i]))
 
         self._each(checksum, lo, hi)
-        sealed, stored = open_trailers(trailers[block_rows[lo:hi]], layout, key_hashes, payloads)
+        raw = rows.read_trailers(groups[lo:hi], block_rows[lo:hi])
+        sealed, stored = open_trailers(raw, rows.layout, key_hashes, payloads)
         for j, code in enumerate(codes):
             i, name = lo + j, remote.names[lo + j]
             if code < 0:

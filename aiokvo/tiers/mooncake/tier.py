@@ -32,11 +32,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from aiokvo.errors import ConfigError, TierUnavailableError
+from aiokvo.handlers.pool import padded_row_stride
 from aiokvo.handlers.routes import HandlerRoute
 from aiokvo.keys import OffloadKey
 from aiokvo.specs import CPULoadStoreSpec, TransferResult
@@ -56,6 +57,10 @@ from aiokvo.tiers.mooncake.format import TRAILER_BYTES, object_name
 from aiokvo.tiers.mooncake.handler import BlockRows, MooncakeTierHandler
 from aiokvo.tiers.mooncake.spec import MOONCAKE_MEDIUM, BlockStatus, MooncakeLoadStoreSpec
 from aiokvo.tiers.mooncake.state import MooncakeTierState
+
+if TYPE_CHECKING:
+    from aiokvo.config import OffloadConfig
+    from aiokvo.layout import CanonicalKVCaches
 
 __all__ = ["MooncakeTier", "MooncakeTierStatistics"]
 
@@ -204,6 +209,22 @@ class MooncakeTier(Tier):
         """The cluster object that holds ``key``'s block (after :meth:`bind`)."""
         return object_name(self.config.key_prefix, self.fingerprint.name(), key)
 
+    def pool_row_tail_bytes(self, kv_caches: CanonicalKVCaches, config: OffloadConfig) -> int:
+        """Room for a trailer after every pool row (``row_trailers``), where every block
+        is one canonical tensor (then one buffer per block) and the room costs at most
+        1/64 of a row."""
+        if not self.config.row_trailers:
+            return 0
+        groups = kv_caches.group_data_refs
+        if any(len({r.tensor_idx for r in refs}) != 1 for refs in groups):
+            return 0
+        factor = config.block_size_factor
+        for tensor in kv_caches.tensors:
+            width = tensor.page_size_bytes * factor
+            if padded_row_stride(width, TRAILER_BYTES) - width > width // 64:
+                return 0
+        return TRAILER_BYTES
+
     def bind(self, binding: TierBinding) -> Sequence[HandlerRoute]:
         if self._fingerprint is not None:
             raise ConfigError(f"{self!r} is already bound; a tier serves one Offloader")
@@ -217,14 +238,14 @@ class MooncakeTier(Tier):
             dtype=config.dtype or binding.dtype or "unspecified",
         )
         blocks = min((int(t.shape[0]) for t in binding.cpu_tensors), default=0)
-        arenas = (
-            np.zeros((blocks, TRAILER_BYTES), dtype=np.uint8),
-            np.zeros((blocks, TRAILER_BYTES), dtype=np.uint8),
-        )
-        rows = (
-            BlockRows(binding.cpu_tensors, fingerprint, arenas[0]),
-            BlockRows(binding.cpu_tensors, fingerprint, arenas[1]),
-        )
+        tail = binding.row_tail_bytes if config.row_trailers else 0
+        in_row = tail >= TRAILER_BYTES  # each row's trailer in the row's room
+
+        def block_rows() -> BlockRows:  # else an arena per direction
+            arena = None if in_row else np.zeros((blocks, TRAILER_BYTES), dtype=np.uint8)
+            return BlockRows(binding.cpu_tensors, fingerprint, arena, row_tail_bytes=tail)
+
+        rows = (block_rows(), block_rows())
         self._fingerprint, self._rows = fingerprint, rows
         self._namespace = f"{config.key_prefix}/{fingerprint.name()}"
         if not self.max_write_blocks:

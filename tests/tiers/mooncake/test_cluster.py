@@ -223,3 +223,29 @@ async def test_lookups_and_loads_racing_evictions_see_misses_never_wrong_bytes(
         assert stats.lookup_misses + stats.read_failures > 0  # and some found it gone
     keys_left = cluster.metric("master_key_count")
     assert keys_left is not None and keys_left < 4 * len(prefixes)  # it evicted
+
+
+@pytest.mark.parametrize("reader_row_trailers", [True, False])
+async def test_one_buffer_blocks_go_through_a_real_cluster_byte_exact(
+    mooncake_cluster: ClusterFactory, reader_row_trailers: bool
+) -> None:
+    # One canonical tensor of 256 KiB rows: the tier keeps each trailer after its row and
+    # uses batch_put_from / batch_get_into; a replica with an arena reads the same objects.
+    cluster = mooncake_cluster(1, segment_size=64 << 20)
+    ks = keys(*[f"one/{i}" for i in range(12)])
+    kv_a = PagesKV(16, page=256 << 10, layers=1)
+    tier_a = tier_on(cluster)
+    async with replica(tier_a, kv_a, cpu_blocks=16) as a:  # type: ignore[arg-type]
+        (pool,) = a.spec.cpu_tensors  # type: ignore[attr-defined]
+        assert pool.stride(0) == (256 << 10) + 4096
+        kv_a.write(list(range(12)), ks)
+        assert len((await a.store(ks, list(range(12)))).stored) == 12
+        await asyncio.wait_for(a.drain(), GUARD)
+        assert mooncake_stats(a).blocks_written == 12
+    kv_b = PagesKV(16, page=256 << 10, layers=1)
+    tier_b = tier_on(cluster, row_trailers=reader_row_trailers)
+    async with replica(tier_b, kv_b, cpu_blocks=16) as b:  # type: ignore[arg-type]
+        assert await asyncio.wait_for(b.load_prefix(ks, list(range(12))), GUARD) == 12
+        assert kv_b.holds(list(range(12)), ks)
+        stats = mooncake_stats(b)
+        assert (stats.blocks_read, stats.read_failures, stats.checksum_failures) == (12, 0, 0)

@@ -41,6 +41,7 @@ def test_defaults_are_a_pure_tcp_client_with_p2p_metadata() -> None:
         ("lookup_timeout", float("inf")),
         ("reset_after", "1"),
         ("enable_ssd_offload", "yes"),
+        ("row_trailers", 1),
         ("client_http_port", 70000),
         ("max_write_blocks", 0),
     ],
