@@ -20,11 +20,12 @@ Run:  .venv/bin/python benchmarks/bench_tiers.py [--dir DIR] [--mib 512] [--roun
    storage-node process; ``HOST:PORT`` uses a running master with P2P
    metadata). The same CPU-pool rows (one canonical tensor, so a block is one
    buffer) are put and got four ways, interleaved in every round, fresh keys
-   each round: raw ``batch_put_from`` / ``batch_get_into`` from a second
-   client of the same process (no checksum, no trailer), then the Mooncake
-   tier's ``(CPU, MOONCAKE)`` and ``(MOONCAKE, CPU)`` transfers through the
-   worker (trailers and xxh3 checksums written and verified). Ratio per round,
-   median as the headline.
+   each round: raw ``batch_put_from`` / ``batch_get_into`` of each row's KV
+   bytes on the tier's own client (no checksum, no trailer), then the
+   Mooncake tier's ``(CPU, MOONCAKE)`` and ``(MOONCAKE, CPU)`` transfers
+   through the worker (trailers and xxh3 checksums written and verified; each
+   trailer in the room after its row, so also one buffer per block). Ratio
+   per round, median as the headline.
 4. **Cross-instance hits.** Two engine replicas (two Offloaders, each with its
    own small CPU pool) replay overlapping prefix traces (one Zipf population
    of shared prefixes, each replica its own draw), interleaved: hit rate of
