@@ -132,3 +132,29 @@ def test_no_room_asked_is_the_unpadded_pool() -> None:
     assert [p.stride(0) for p in pools] == [4096, 48]
     assert all(p.is_contiguous() for p in pools)
     assert np.array_equal(pools[0].numpy(), np.zeros((CPU_BLOCKS, 4096), np.int8))
+
+
+@pytest.mark.parametrize("backend", ["host", "cuda"])
+async def test_a_shared_region_gives_no_room(backend: str, tmp_path: Any) -> None:
+    # A region's bytes after a row are another tensor's or rank's: never a tier's.
+    import uuid
+
+    from aiokvo.memory.shared_region import SharedOffloadRegion
+
+    kv = caches()
+    fake = FakeDriver() if backend == "cuda" else None
+    region = SharedOffloadRegion(
+        f"room-{uuid.uuid4().hex[:10]}", num_blocks=CPU_BLOCKS, num_workers=1,
+        page_bytes_per_rank=kv.page_bytes_per_block, rank=0, directory=tmp_path,
+    )  # fmt: skip
+    try:
+        options: dict[str, Any] = {"region": region, "row_tail_bytes": 64}
+        pair = build(backend, kv, 1, fake, **options)
+        assert pair.row_tail_bytes == 0
+        assert all(t.stride(0) == region.row_stride for t in pair.cpu_tensors)
+        await pair.aclose()
+        del pair
+    finally:
+        region.close()
+        if fake is not None:
+            fake.close()
