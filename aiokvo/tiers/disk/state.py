@@ -35,6 +35,7 @@ from aiokvo.specs import ReqContext
 from aiokvo.tiers.admission import Admission
 from aiokvo.tiers.base import TierLoad, TierStore
 from aiokvo.tiers.breaker import CircuitBreaker
+from aiokvo.tiers.counters import TierCounters
 from aiokvo.tiers.disk.spec import (
     DISK_MEDIUM,
     BlockLocation,
@@ -70,7 +71,7 @@ class _Ticket:
     trial: bool = False
 
 
-class DiskTierState:
+class DiskTierState(TierCounters):
     """The disk tier's pure core: one own slab of ``num_slots`` slots plus foreign slabs.
 
     ``slab`` is the number of this process's slab; ``sink`` receives the
@@ -88,6 +89,7 @@ class DiskTierState:
         breaker: CircuitBreaker | None = None,
         sink: EventSink | None = None,
     ) -> None:
+        super().__init__()
         self.slots = SlotManager(num_slots, policy, medium=DISK_MEDIUM, sink=sink)
         self.slab = slab
         self.admission = Admission(admit_after, max_tracked)
@@ -96,13 +98,8 @@ class DiskTierState:
         self._foreign: dict[OffloadKey, BlockLocation] = {}
         self._clears: list[tuple[int, int]] = []  # (slot, generation) to clear on disk
         self._next_generation = 1
-        # Counters (see TierStatistics / DiskTierStatistics).
-        self.lookups = self.lookup_hits = self.lookup_misses = self.lookups_bypassed = 0
-        self.reads = self.blocks_read = self.read_failures = self.bytes_read = 0
-        self.writes = self.blocks_written = self.write_failures = self.bytes_written = 0
-        self.offers = self.admitted = self.writes_refused = 0
-        self.checksum_failures = self.stale_reads = self.timeouts = 0
-        self.read_seconds = self.write_seconds = 0.0
+        # Counters beyond TierCounters' (see DiskTierStatistics).
+        self.checksum_failures = self.stale_reads = 0
 
     # ---------------------------------------------------------------- views
     @property

@@ -36,6 +36,7 @@ from aiokvo.specs import OffloadingEvent
 from aiokvo.tiers.admission import Admission
 from aiokvo.tiers.base import TierLoad, TierStore
 from aiokvo.tiers.breaker import CircuitBreaker
+from aiokvo.tiers.counters import TierCounters
 from aiokvo.tiers.mooncake.spec import (
     BAD_OBJECT,
     FAILED_CALL,
@@ -65,7 +66,7 @@ class _Seen:
     ours: bool  # this tier announced it (a "stored" event went out)
 
 
-class MooncakeTierState:
+class MooncakeTierState(TierCounters):
     """The Mooncake tier's decisions; see the module docstring.
 
     ``name_of`` gives a key's object name; ``sink`` receives the tier's
@@ -84,6 +85,7 @@ class MooncakeTierState:
         breaker: CircuitBreaker | None = None,
         sink: EventSink | None = None,
     ) -> None:
+        super().__init__()
         self.name_of = name_of
         self.admission = Admission(admit_after, max_tracked)
         self.breaker = breaker or CircuitBreaker()
@@ -96,14 +98,8 @@ class MooncakeTierState:
         self._negative: OrderedDict[OffloadKey, float] = OrderedDict()  # key -> expiry
         self._writing: set[OffloadKey] = set()
         self._removals: list[str] = []
-        # Counters (see MooncakeTierStatistics).
-        self.lookups = self.lookup_hits = self.lookup_misses = self.lookups_bypassed = 0
-        self.remote_lookups = self.lookup_failures = self.negative_hits = 0
-        self.reads = self.blocks_read = self.read_failures = self.bytes_read = 0
-        self.writes = self.blocks_written = self.write_failures = self.bytes_written = 0
-        self.offers = self.admitted = self.writes_refused = 0
-        self.timeouts = self.rpc_failures = 0
-        self.read_seconds = self.write_seconds = 0.0
+        # Counters beyond TierCounters' (see MooncakeTierStatistics).
+        self.remote_lookups = self.lookup_failures = self.negative_hits = self.rpc_failures = 0
         self.by_status: dict[BlockStatus, int] = dict.fromkeys(BlockStatus, 0)
 
     # ---------------------------------------------------------------- views
