@@ -28,7 +28,6 @@ call hangs, so its breaker can act while the call is still stuck.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -39,7 +38,7 @@ import numpy as np
 import torch
 
 from aiokvo.errors import TierChecksumError, TierTimeoutError, TransferSpecError
-from aiokvo.handlers.base import SingleDirectionHandler, Submission
+from aiokvo.handlers.base import Submission
 from aiokvo.handlers.host.dispatch import DispatchEvent, DispatchThread
 from aiokvo.handlers.task import DEFAULT_MAX_BUFFERED
 from aiokvo.keys import OffloadKey, get_offload_group_idx
@@ -59,6 +58,7 @@ from aiokvo.tiers.disk.runs import (
 from aiokvo.tiers.disk.slab import SlabDirectory, SlabFiles
 from aiokvo.tiers.disk.spec import BlockLocation, BlockStatus, DiskLoadStoreSpec
 from aiokvo.tiers.fingerprint import LayoutFingerprint
+from aiokvo.tiers.io import TierIOHandler
 
 __all__ = ["DiskTierHandler"]
 
@@ -75,7 +75,7 @@ not per block, and the last batch, hashed after the last read, stays small."""
 Overdue = Callable[[DiskLoadStoreSpec], None]
 
 
-class DiskTierHandler(SingleDirectionHandler):
+class DiskTierHandler(TierIOHandler[DiskLoadStoreSpec]):
     """One direction between the CPU pool and a disk tier's slabs.
 
     ``cpu_tensors`` are the CPU pool's tensors; ``fingerprint`` says which of
@@ -110,19 +110,21 @@ class DiskTierHandler(SingleDirectionHandler):
     ) -> None:
         super().__init__(
             ("CPU", "DISK") if to_disk else ("DISK", "CPU"),
+            thread_name="aiokvo-disk-write" if to_disk else "aiokvo-disk-read",
+            io_timeout=io_timeout,
+            on_overdue=on_overdue,
+            dispatcher=dispatcher,
             poller_mode=poller_mode,
             max_buffered=max_buffered,
         )
         self.to_disk = to_disk
         self.fsync = fsync
-        self.io_timeout = io_timeout
         self.slot_bytes = slot_bytes
         self.max_io_bytes = max_io_bytes
         self.read_threads = read_threads
         self._io = file_io
         self._directory = directory
         self._slabs = slabs
-        self._on_overdue = on_overdue
         self._rows = [t.numpy() for t in cpu_tensors]  # views of the pool: no copy
         self._num_cpu_blocks = min((int(t.shape[0]) for t in cpu_tensors), default=0)
         self._group_tensors = [
@@ -133,14 +135,6 @@ class DiskTierHandler(SingleDirectionHandler):
         self.aligned = all(_page_aligned(t) for t in cpu_tensors)
         self._helper: ThreadPoolExecutor | None = None
         self._readers: ThreadPoolExecutor | None = None
-        self._owns_dispatcher = dispatcher is None
-        name = "aiokvo-disk-write" if to_disk else "aiokvo-disk-read"
-        self._dispatch = dispatcher or DispatchThread(name)
-        self._lane = (type(self).__name__, name, id(self))
-
-    @property
-    def dispatcher(self) -> DispatchThread:
-        return self._dispatch
 
     def payload_bytes(self, key: OffloadKey) -> int:
         """Bytes of ``key``'s block (a full pool row of each tensor of its group)."""
@@ -180,23 +174,8 @@ class DiskTierHandler(SingleDirectionHandler):
             total += self._payload[group]
         deadline = time.monotonic() + self.io_timeout
         job = self._write if self.to_disk else self._read
-        event = DispatchEvent()  # no patience: the loop never runs disk I/O
         rows = cpu.block_ids.tolist()
-        self._dispatch.submit(partial(job, disk, rows, files, deadline), event)
-        timer = asyncio.get_running_loop().call_later(
-            self.io_timeout, self._overdue, disk, event
-        )
-        return Submission(
-            source=event,
-            transfer_size=total,
-            lane=self._lane,
-            elapsed=event.elapsed,
-            release=timer.cancel,
-        )
-
-    def _overdue(self, disk: DiskLoadStoreSpec, event: DispatchEvent) -> None:
-        if not event.query():
-            self._on_overdue(disk)
+        return self._dispatch_job(partial(job, disk, rows, files, deadline), disk, total)
 
     # ------------------------------------------------------------ the jobs
     def _buffers(self, key: OffloadKey, row: int) -> list[np.ndarray]:
@@ -431,8 +410,7 @@ class DiskTierHandler(SingleDirectionHandler):
         return helper
 
     async def _close_backend(self) -> None:
-        if self._owns_dispatcher:
-            self._dispatch.shutdown()
+        self._shutdown_dispatcher()
         for pool in (self._helper, self._readers):
             if pool is not None:
                 pool.shutdown(wait=True)

@@ -37,7 +37,6 @@ CPU blocks, so they stay pinned or reserved.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,14 +54,15 @@ from aiokvo.errors import (
     TierUnavailableError,
     TransferSpecError,
 )
-from aiokvo.handlers.base import SingleDirectionHandler, Submission
-from aiokvo.handlers.host.dispatch import DispatchEvent, DispatchThread
+from aiokvo.handlers.base import Submission
+from aiokvo.handlers.host.dispatch import DispatchThread
 from aiokvo.handlers.task import DEFAULT_MAX_BUFFERED
 from aiokvo.keys import OffloadKey, get_offload_group_idx
 from aiokvo.plan.rows import check_ids_in_range
 from aiokvo.runtime.poller import PollerMode
 from aiokvo.specs import CPULoadStoreSpec, TransferSpec
 from aiokvo.tiers.fingerprint import LayoutFingerprint
+from aiokvo.tiers.io import TierIOHandler
 from aiokvo.tiers.mooncake.client import MooncakeClient
 from aiokvo.tiers.mooncake.format import (
     INVALID_PARAMS,
@@ -244,7 +244,7 @@ class BlockRows:
         return np.stack(columns, axis=1).tolist(), [sizes] * len(rows), False
 
 
-class MooncakeTierHandler(SingleDirectionHandler):
+class MooncakeTierHandler(TierIOHandler[MooncakeLoadStoreSpec]):
     """One direction between the CPU pool and the cluster; see the module.
 
     ``on_overdue`` is called on the loop when a transfer passes its
@@ -271,28 +271,22 @@ class MooncakeTierHandler(SingleDirectionHandler):
     ) -> None:
         super().__init__(
             ("CPU", "MOONCAKE") if to_cluster else ("MOONCAKE", "CPU"),
+            thread_name="aiokvo-mooncake-put" if to_cluster else "aiokvo-mooncake-get",
+            io_timeout=io_timeout,
+            on_overdue=on_overdue,
+            dispatcher=dispatcher,
             poller_mode=poller_mode,
             max_buffered=max_buffered,
         )
         self.to_cluster = to_cluster
-        self.io_timeout = io_timeout
         self._rows = rows
         self._client = client
-        self._on_overdue = on_overdue
         if pipeline_bytes is not None:
             pipeline_bytes = check_int("pipeline_bytes", pipeline_bytes, minimum=1)
         self.pipeline_bytes = pipeline_bytes
         self.checksum_threads = check_int("checksum_threads", checksum_threads, minimum=1)
         self._pipeline: ThreadPoolExecutor | None = None
         self._hashers: ThreadPoolExecutor | None = None
-        self._owns_dispatcher = dispatcher is None
-        name = "aiokvo-mooncake-put" if to_cluster else "aiokvo-mooncake-get"
-        self._dispatch = dispatcher or DispatchThread(name)
-        self._lane = (type(self).__name__, name, id(self))
-
-    @property
-    def dispatcher(self) -> DispatchThread:
-        return self._dispatch
 
     # ------------------------------------------------------------------ submit
     def _submit(self, job_id: int, spec: TransferSpec) -> Submission:
@@ -315,22 +309,7 @@ class MooncakeTierHandler(SingleDirectionHandler):
         total = sum(rows.payload[g] for g in groups)
         deadline = time.monotonic() + self.io_timeout
         job = self._put if self.to_cluster else self._get
-        event = DispatchEvent()  # no patience: the loop never runs a Mooncake call
-        self._dispatch.submit(partial(job, remote, groups, block_rows, deadline), event)
-        timer = asyncio.get_running_loop().call_later(
-            self.io_timeout, self._overdue, remote, event
-        )
-        return Submission(
-            source=event,
-            transfer_size=total,
-            lane=self._lane,
-            elapsed=event.elapsed,
-            release=timer.cancel,
-        )
-
-    def _overdue(self, remote: MooncakeLoadStoreSpec, event: DispatchEvent) -> None:
-        if not event.query():
-            self._on_overdue(remote)
+        return self._dispatch_job(partial(job, remote, groups, block_rows, deadline), remote, total)
 
     # --------------------------------------------------------------- the calls
     def _chunks(self, groups: list[int]) -> list[tuple[int, int]]:
@@ -567,8 +546,7 @@ class MooncakeTierHandler(SingleDirectionHandler):
                 report.status[i] = BlockStatus.OK
 
     async def _close_backend(self) -> None:
-        if self._owns_dispatcher:
-            self._dispatch.shutdown()
+        self._shutdown_dispatcher()
         for pool in (self._pipeline, self._hashers):
             if pool is not None:
                 pool.shutdown(wait=True)
