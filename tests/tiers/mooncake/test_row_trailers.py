@@ -171,3 +171,68 @@ async def test_padded_rows_still_go_to_disk_with_o_direct_and_come_back(
         assert kv.holds(range(20, 28), ks[:8])
         assert off.statistics().hits_by_medium["DISK"] == 4
     assert set(cluster.calls.buffers) == {1}
+
+
+@pytest.mark.parametrize("page", [128 << 10, 3200], ids=["page-room", "line-room"])
+async def test_two_gpu_blocks_per_key_keep_the_trailer_in_the_room_next_to_a_disk_tier(
+    cluster: FakeMooncakeCluster, disk_tier_path: Path, page: int
+) -> None:
+    import numpy as np
+    import torch
+
+    from aiokvo import CanonicalKVCaches, OffloadConfig
+
+    def pages(k: bytes, sub: int) -> Any:
+        seed = int.from_bytes(bytes(k)[:8], "little") ^ sub
+        return np.random.default_rng(seed).integers(-128, 128, page, dtype=np.int8)
+
+    def replica_kv() -> tuple[torch.Tensor, CanonicalKVCaches, OffloadConfig]:
+        layer = torch.zeros(32, page, dtype=torch.int8)
+        caches = CanonicalKVCaches.from_engine([layer])
+        config = OffloadConfig(
+            gpu_block_sizes=(16,), hash_block_size=16, offloaded_block_size=32,
+            kv_bytes_per_block=caches.page_bytes_per_block,
+            cpu_bytes_to_use=4 * 2 * caches.page_bytes_per_block,
+        )  # fmt: skip
+        return layer, caches, config
+
+    def holds(layer: torch.Tensor, blocks: list[int], ks: list[Any]) -> bool:
+        return all(
+            np.array_equal(layer[b].numpy(), pages(ks[i // 2], i % 2))
+            for i, b in enumerate(blocks)
+        )
+
+    ks = keys(*"abcdefgh")
+    layer, caches, config = replica_kv()
+    tier = fake_tier(cluster)
+    disk = DiskTier(disk_tier_path, capacity_bytes=32 << 20, model_id="test-model",
+                    refresh_interval=0)  # fmt: skip
+    async with Offloader(config, caches, tiers=[disk, tier]) as a:
+        (pool,) = a.spec.cpu_tensors  # type: ignore[attr-defined]
+        width = 2 * page
+        assert pool.shape[1] == width and pool.stride(0) - width >= TRAILER_BYTES
+        for lo in (0, 4):  # the pool holds 4 keys: the first four leave it
+            blocks = list(range(2 * lo, 2 * lo + 8))
+            for i, b in enumerate(blocks):
+                layer[b].numpy()[:] = pages(ks[lo + i // 2], i % 2)
+            assert (await a.store(ks[lo : lo + 4], blocks)).ok
+            await a.drain()
+        stats = a.statistics()
+        assert stats.tiers[0].direct_io is (page % 4096 == 0)
+        layer.zero_()
+        assert await a.load_prefix(ks[:4], list(range(16, 24))) == 4  # from disk
+        assert holds(layer, list(range(16, 24)), ks[:4])
+        assert not layer[:16].any() and not layer[24:].any()
+        assert a.statistics().hits_by_medium["DISK"] == 4
+    assert set(cluster.calls.buffers) == {1}
+    layout = tier.fingerprint.digest()[:16]
+    for k in ks:
+        data = cluster.objects[tier.object_name(k)]
+        assert data[:page] == pages(k, 0).tobytes() and data[page:width] == pages(k, 1).tobytes()
+        assert check_trailer(data[width:], layout, k, width) is not None
+    layer_b, caches_b, config_b = replica_kv()
+    async with Offloader(config_b, caches_b, tiers=[fake_tier(cluster)]) as b:
+        assert await b.load_prefix(ks[2:6], list(range(8, 16))) == 4  # from Mooncake
+        assert holds(layer_b, list(range(8, 16)), ks[2:6])
+        assert not layer_b[:8].any() and not layer_b[16:].any()
+        assert mooncake_stats(b).blocks_read == 4

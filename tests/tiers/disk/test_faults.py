@@ -1,0 +1,208 @@
+"""Faults inside coalesced runs and shared reads: every block gets its own outcome.
+
+A bad region of the data file fails the calls that touch it (a write that
+starts before it is written short up to it first, as a filling disk does):
+the merged call fails, the blocks are redone one by one, and only the blocks
+in the region fail; no block is served, committed or adopted unless its own
+bytes were written and verified.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aiokvo.tiers import DiskTier, FileIO
+from tests.tiers.disk._util import KV, fill, keys, offloader
+
+pytestmark = pytest.mark.usefixtures("aiokvo_leak_check")
+
+
+def _size(buffers: Sequence[Any]) -> int:
+    return sum(memoryview(b).nbytes for b in buffers)
+
+
+def _head(buffers: Sequence[Any], n: int) -> list[memoryview]:
+    """The first ``n`` bytes of ``buffers``."""
+    out: list[memoryview] = []
+    for b in buffers:
+        view = memoryview(b).cast("B")
+        if n <= 0:
+            break
+        out.append(view[:n])
+        n -= view.nbytes
+    return out
+
+
+class BadRegionIO(FileIO):
+    """Data-file calls touching ``[lo, hi)`` of ``bad_reads`` / ``bad_writes`` fail (EIO /
+    ENOSPC); a write that starts before a bad region writes up to it, short."""
+
+    def __init__(self) -> None:
+        self.bad_reads: list[tuple[int, int]] = []
+        self.bad_writes: list[tuple[int, int]] = []
+        self.lock = threading.Lock()
+        self.read_calls: list[tuple[int, int]] = []
+
+    def preadv(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
+        size = _size(buffers)
+        with self.lock:
+            self.read_calls.append((offset, size))
+        for lo, hi in self.bad_reads:
+            if offset < hi and lo < offset + size:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return super().preadv(fd, buffers, offset)
+
+    def pwritev(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
+        size = _size(buffers)
+        for lo, hi in self.bad_writes:
+            if offset < hi and lo < offset + size:
+                if offset < lo:
+                    return super().pwritev(fd, _head(buffers, lo - offset), offset)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().pwritev(fd, buffers, offset)
+
+
+def _slots(tier: DiskTier, ks: Sequence[bytes]) -> list[int]:
+    slots = [tier.state.slots.slot_of(k) for k in ks]  # type: ignore[arg-type]
+    assert all(s is not None for s in slots)
+    return slots  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    ("read_threads", "max_io_bytes"), [(1, None), (2, 512 << 10), (3, 256 << 10)]
+)
+async def test_eio_inside_coalesced_and_shared_reads_fails_those_blocks_alone(
+    disk_tier_path: Path, read_threads: int, max_io_bytes: int | None
+) -> None:
+    kv = KV(page=64 << 10)  # 128 KiB blocks: 16 are a read worth sharing
+    io = BadRegionIO()
+    ks = keys("eio", 32)
+    options: dict[str, Any] = {} if max_io_bytes is None else {"max_io_bytes": max_io_bytes}
+    async with offloader(
+        kv, disk_tier_path, cpu_blocks=16, file_io=io, max_write_blocks=16,
+        read_threads=read_threads, failure_threshold=100, **options,
+    ) as off:  # fmt: skip
+        await fill(off, kv, ks[:16])
+        await fill(off, kv, ks[16:], start=16)  # ks[:16] now on disk only
+        tier = off.tiers[0]
+        assert isinstance(tier, DiskTier)
+        slot_bytes = kv.slot_bytes()
+        bad = [5, 12]  # one in each share of two; a few bytes of each block
+        for i in bad:
+            at = _slots(tier, [ks[i]])[0] * slot_bytes + 7000
+            io.bad_reads.append((at, at + 10))
+        kv.clear(range(64))
+        assert await off.load_prefix(ks[:16], list(range(40, 56))) == 5
+        assert kv.holds(range(40, 45), ks[:5])
+        assert any(size > slot_bytes for _, size in io.read_calls)  # runs were merged
+        stats = off.statistics()
+        assert stats.tiers[0].blocks_read == 14 and stats.tiers[0].read_failures == 2
+        assert stats.promoted_blocks == 14 and stats.promotion_failures == 2
+        assert stats.manager.pinned_blocks == 0 and stats.manager.writing_blocks == 0
+        # Every good block after the bad ones was promoted, byte-exact.
+        for lo, hi in ((6, 12), (13, 16)):
+            io.read_calls.clear()
+            kv.clear(range(64))
+            gpu = list(range(40, 40 + hi - lo))
+            assert await off.load_prefix(ks[lo:hi], gpu) == hi - lo
+            assert kv.holds(gpu, ks[lo:hi]) and not io.read_calls  # from the CPU pool
+        # An I/O error is not corruption: the blocks stay, and read once the disk heals.
+        assert all(tier.state.holds(ks[i]) for i in bad)
+        io.bad_reads.clear()
+        kv.clear(range(64))
+        assert await off.load_prefix([ks[5]], [40]) == 1 and kv.holds([40], [ks[5]])
+
+
+@pytest.mark.parametrize("descending", [False, True])
+async def test_a_write_cut_mid_run_commits_only_the_blocks_written_before_the_cut(
+    disk_tier_path: Path, descending: bool
+) -> None:
+    kv = KV()
+    io = BadRegionIO()
+    old, ks = keys("old", 4), keys("cut", 4)
+    slot_bytes = kv.slot_bytes()
+    async with offloader(
+        kv, disk_tier_path, cpu_blocks=4, slots=4, file_io=io, max_write_blocks=4,
+        failure_threshold=100,
+    ) as off:  # fmt: skip
+        tier = off.tiers[0]
+        assert isinstance(tier, DiskTier)
+        if descending:  # slots freed together come back last-freed first: 3, 2, 1, 0
+            await fill(off, kv, old)
+        # The disk fails 1000 bytes into slot 2: the merged call is written short to there.
+        io.bad_writes.append((2 * slot_bytes + 1000, 3 * slot_bytes))
+        blocks = [8, 9, 10, 11]
+        kv.write(blocks, ks)
+        await off.store(ks, blocks)
+        await off.drain()
+        held = [k for k in ks if tier.state.holds(k)]
+        # In transfer order, the first block that fails stops the store: ascending slots
+        # 0, 1 commit; descending, only the block in slot 3 (slots 1, 0, written by the
+        # merged call before it failed, are never committed).
+        expect = ks[:1] if descending else ks[:2]
+        assert held == expect
+        if descending:
+            assert _slots(tier, held) == [3]
+        else:
+            assert _slots(tier, held) == [0, 1]
+        stats = off.statistics().tiers[0]
+        assert stats.blocks_written == len(expect) + (4 if descending else 0)
+        assert off.statistics().manager.pinned_blocks == 0
+    io.bad_writes.clear()
+    kv.clear(range(64))
+    async with offloader(kv, disk_tier_path, cpu_blocks=4, slots=4) as off:  # a new process
+        tier = off.tiers[0]
+        assert isinstance(tier, DiskTier)
+        assert [k for k in ks if tier.state.holds(k)] == expect
+        assert off.statistics().tiers[0].adopted_blocks == len(expect)
+        assert await off.load_prefix(ks, [30, 31, 32, 33]) == len(expect)
+        assert kv.holds([30, 31][: len(expect)], expect)
+
+
+async def test_a_load_cancelled_while_shares_are_read_leaks_nothing(
+    disk_tier_path: Path,
+) -> None:
+    kv = KV(page=64 << 10)
+    gate = threading.Event()
+    gate.set()
+    started = threading.Semaphore(0)
+
+    class StallIO(FileIO):
+        def preadv(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
+            started.release()
+            if not gate.wait(60):
+                raise TimeoutError("the test never opened the gate")
+            return super().preadv(fd, buffers, offset)
+
+    ks = keys("cancel", 32)
+    async with offloader(
+        kv, disk_tier_path, cpu_blocks=16, file_io=StallIO(), max_write_blocks=16,
+        read_threads=2, max_io_bytes=512 << 10,  # two shares of two runs
+    ) as off:  # fmt: skip
+        await fill(off, kv, ks[:16])
+        await fill(off, kv, ks[16:], start=16)
+        gate.clear()
+        load = asyncio.ensure_future(off.load_prefix(ks[:16], list(range(40, 56))))
+        for _ in range(2):  # both shares are in their preadv
+            while not started.acquire(blocking=False):
+                await asyncio.sleep(0.001)
+        load.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await load
+        assert off.statistics().manager.writing_blocks == 16  # the rows are still being read
+        gate.set()
+        await off.drain()
+        stats = off.statistics()
+        assert stats.manager.writing_blocks == 0 and stats.manager.pinned_blocks == 0
+        assert stats.promoted_blocks == 16
+        kv.clear(range(64))
+        assert await off.load_prefix(ks[:16], list(range(40, 56))) == 16
+        assert kv.holds(range(40, 56), ks[:16])
