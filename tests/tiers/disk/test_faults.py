@@ -206,3 +206,56 @@ async def test_a_load_cancelled_while_shares_are_read_leaks_nothing(
         kv.clear(range(64))
         assert await off.load_prefix(ks[:16], list(range(40, 56))) == 16
         assert kv.holds(range(40, 56), ks[:16])
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_random_eio_and_corruption_in_shared_runs_give_each_block_its_outcome(
+    disk_tier_path: Path, seed: int
+) -> None:
+    import random
+
+    from tests.tiers.disk._util import data_file
+
+    rng = random.Random(seed)
+    kv = KV(page=64 << 10)
+    io = BadRegionIO()
+    ks = keys(f"mix{seed}-", 32)
+    async with offloader(
+        kv, disk_tier_path, cpu_blocks=16, file_io=io, max_write_blocks=16,
+        read_threads=rng.choice([2, 3, 4]), max_io_bytes=rng.choice([1, 256 << 10, 1 << 20]),
+        failure_threshold=100,
+    ) as off:  # fmt: skip
+        await fill(off, kv, ks[:16])
+        await fill(off, kv, ks[16:], start=16)
+        tier = off.tiers[0]
+        assert isinstance(tier, DiskTier)
+        slot_bytes = kv.slot_bytes()
+        picked = rng.sample(range(16), 5)
+        eio, corrupt = set(picked[:2]), set(picked[2:])
+        for i in sorted(picked):
+            payload = kv.caches.page_bytes_per_block
+            at = _slots(tier, [ks[i]])[0] * slot_bytes + rng.randrange(payload)
+            if i in eio:
+                io.bad_reads.append((at, at + 1))
+            else:
+                with open(data_file(tier), "r+b") as f:
+                    f.seek(at)
+                    byte = f.read(1)
+                    f.seek(at)
+                    f.write(bytes([byte[0] ^ 0x80]))
+        kv.clear(range(64))
+        first = min(picked)
+        assert await off.load_prefix(ks[:16], list(range(40, 56))) == first
+        assert kv.holds(range(40, 40 + first), ks[:first])
+        stats = off.statistics()
+        assert stats.tiers[0].blocks_read == 11 and stats.tiers[0].checksum_failures == 3
+        assert stats.manager.pinned_blocks == 0 and stats.manager.writing_blocks == 0
+        io.read_calls.clear()
+        for i in range(16):  # the good ones from the CPU pool; the rest are misses
+            kv.clear(range(64))
+            n = await off.load_prefix([ks[i]], [40])
+            assert n == (i not in eio and i not in corrupt)
+            assert not n or kv.holds([40], [ks[i]])
+        assert all(tier.state.holds(ks[i]) for i in eio)
+        assert not any(tier.state.holds(ks[i]) for i in corrupt)
+        assert len(io.read_calls) == 2  # each EIO block tried again, one call each
