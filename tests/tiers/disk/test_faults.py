@@ -259,3 +259,51 @@ async def test_random_eio_and_corruption_in_shared_runs_give_each_block_its_outc
         assert all(tier.state.holds(ks[i]) for i in eio)
         assert not any(tier.state.holds(ks[i]) for i in corrupt)
         assert len(io.read_calls) == 2  # each EIO block tried again, one call each
+
+
+async def test_a_share_stalled_past_the_deadline_holds_its_rows_until_it_returns(
+    disk_tier_path: Path,
+) -> None:
+    kv = KV(page=64 << 10)
+    gate = threading.Event()
+    gate.set()
+    stalled = threading.Event()
+    slot_bytes = kv.slot_bytes()
+    hold_from = [1 << 62]
+
+    class StallIO(FileIO):  # the reads from slot 8 on (the second share) wait at the gate
+        def preadv(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
+            if offset >= hold_from[0]:
+                stalled.set()
+                if not gate.wait(60):
+                    raise TimeoutError("the test never opened the gate")
+            return super().preadv(fd, buffers, offset)
+
+    ks = keys("late", 32)
+    async with offloader(
+        kv, disk_tier_path, cpu_blocks=16, file_io=StallIO(), max_write_blocks=16,
+        read_threads=2, max_io_bytes=512 << 10, io_timeout=0.2, failure_threshold=100,
+    ) as off:  # fmt: skip
+        await fill(off, kv, ks[:16])
+        await fill(off, kv, ks[16:], start=16)
+        tier = off.tiers[0]
+        assert isinstance(tier, DiskTier)
+        slots = sorted(_slots(tier, ks[:16]))
+        hold_from[0] = slots[8] * slot_bytes
+        gate.clear()
+        kv.clear(range(64))
+        assert await off.load_prefix(ks[:16], list(range(40, 56))) == 0  # at the deadline
+        assert stalled.is_set()
+        stats = off.statistics()
+        assert stats.promotion_timeouts == 1 and stats.tiers[0].timeouts == 1
+        assert stats.manager.writing_blocks == 16  # every row stays reserved meanwhile
+        assert not kv.layers[0].any()  # nothing reached the engine
+        gate.set()
+        await off.drain()
+        stats = off.statistics()
+        assert stats.manager.writing_blocks == 0 and stats.manager.pinned_blocks == 0
+        # Every block comes back byte-exact: the late reads verified, blocks not started
+        # before the deadline (TIMEOUT) kept on disk and read again.
+        kv.clear(range(64))
+        n = await off.load_prefix(ks[:16], list(range(40, 56)))
+        assert n == 16 and kv.holds(range(40, 56), ks[:16])
