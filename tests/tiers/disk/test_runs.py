@@ -41,6 +41,8 @@ def test_consecutive_slots_of_one_slab_are_one_run() -> None:
 
 def test_a_run_never_crosses_a_slab_or_a_gap() -> None:
     assert runs([0, 1, 2], slabs=[0, 0, 1]) == [[0, 1], [2]]
+    assert runs([5, 4, 2, 1]) == [[0, 1], [2, 3]]  # descending, a free slot between
+    assert runs([6, 5, 4, 3], slabs=[0, 0, 1, 1]) == [[0, 1], [2, 3]]
     # Block 1 leaves part of its slot unwritten: block 2 does not follow it in the file.
     assert runs([0, 1, 2, 3], sizes=[SLOT, 4096, SLOT, SLOT]) == [[0, 1], [2, 3]]
     # A short block may be last in the file, never followed there.
