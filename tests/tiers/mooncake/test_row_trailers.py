@@ -236,3 +236,33 @@ async def test_two_gpu_blocks_per_key_keep_the_trailer_in_the_room_next_to_a_dis
         assert holds(layer_b, list(range(8, 16)), ks[2:6])
         assert not layer_b[:8].any() and not layer_b[16:].any()
         assert mooncake_stats(b).blocks_read == 4
+
+
+async def test_pipelined_one_buffer_blocks_fail_alone_and_keep_their_neighbours_trailers(
+    cluster: FakeMooncakeCluster,
+) -> None:
+    ks = keys(*"abcdefgh")
+    kv_a, kv_b = one_tensor(), one_tensor()
+    chunked = {"pipeline_bytes": 2 * PAGE, "checksum_threads": 2}  # two blocks per call
+    tier_a = fake_tier(cluster, **chunked)
+    async with replica(tier_a, kv_a) as a:
+        await store_on(a, kv_a, ks[:4])
+        await store_on(a, kv_a, ks[4:])
+    assert cluster.calls.put == 4 and set(cluster.calls.buffers) == {1}
+    cluster.corrupt(tier_a.object_name(ks[2]), offset=PAGE + 5)  # its trailer
+    tier_b = fake_tier(cluster, **chunked)
+    async with replica(tier_b, kv_b) as b:
+        cluster.codes[tier_b.object_name(ks[5])] = -704  # gone meanwhile
+        gets = cluster.calls.get
+        assert await b.load_prefix(ks, list(range(20, 28))) == 2
+        assert cluster.calls.get - gets == 4
+        assert kv_b.holds([20, 21], ks[:2]) and not kv_b.layers[0][22:28].any()
+        stats = mooncake_stats(b)
+        assert (stats.blocks_read, stats.bad_trailers, stats.read_failures) == (6, 1, 2)
+        # The good blocks after the bad ones were promoted, each with its own bytes.
+        good = [ks[i] for i in (3, 4, 6, 7)]
+        kv_b.layers[0].zero_()
+        gets = cluster.calls.get
+        assert await b.load_prefix(good[:2], [10, 11]) == 2
+        assert await b.load_prefix(good[2:], [12, 13]) == 2
+        assert kv_b.holds([10, 11, 12, 13], good) and cluster.calls.get == gets
