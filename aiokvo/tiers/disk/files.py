@@ -37,7 +37,8 @@ class FileIO:
     """The system calls of a disk tier's data path; subclass to inject faults.
 
     Methods run on the tier's I/O threads (never on the event loop), and may
-    be called from two threads at once (one reads while the other writes).
+    be called from several threads at once: the write thread, the read
+    thread, and the other ``read_threads`` of a shared read.
     """
 
     def pwritev(self, fd: int, buffers: Sequence[Buffer], offset: int) -> int:
