@@ -307,3 +307,35 @@ async def test_a_share_stalled_past_the_deadline_holds_its_rows_until_it_returns
         kv.clear(range(64))
         n = await off.load_prefix(ks[:16], list(range(40, 56)))
         assert n == 16 and kv.holds(range(40, 56), ks[:16])
+
+
+async def test_merged_calls_that_move_a_few_bytes_at_a_time_still_move_every_byte(
+    disk_tier_path: Path,
+) -> None:
+    kv = KV(page=6144)  # 12 KiB blocks fill their slots (runs), rows not pages (buffered)
+    sizes: list[int] = []
+
+    class PiecesIO(FileIO):  # every call moves at most 5000 bytes, mid-iovec
+        def pwritev(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
+            sizes.append(_size(buffers))
+            return super().pwritev(fd, _head(buffers, 5000), offset)
+
+        def preadv(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
+            sizes.append(_size(buffers))
+            return super().preadv(fd, _head(buffers, 5000), offset)
+
+    ks = keys("pieces", 16)
+    async with offloader(
+        kv, disk_tier_path, cpu_blocks=8, file_io=PiecesIO(), max_write_blocks=8,
+        max_io_bytes=4 * kv.slot_bytes(),
+    ) as off:  # fmt: skip
+        assert kv.slot_bytes() == kv.caches.page_bytes_per_block
+        await fill(off, kv, ks[:8])
+        await fill(off, kv, ks[8:], start=8)  # ks[:8] now on disk only
+        stats = off.statistics().tiers[0]
+        assert not stats.direct_io and stats.blocks_written == 16
+        assert max(sizes) == 4 * kv.slot_bytes()  # runs of four blocks, each call cut short
+        kv.clear(range(64))
+        assert await off.load_prefix(ks[:8], list(range(40, 48))) == 8
+        assert kv.holds(range(40, 48), ks[:8])
+        assert off.statistics().tiers[0].checksum_failures == 0
