@@ -154,6 +154,9 @@ class DiskTierHandler(TierIOHandler[DiskLoadStoreSpec]):
                 f"{n} disk blocks need {n} CPU blocks, got {len(cpu)}"
             )
         check_ids_in_range(cpu.block_ids, self._num_cpu_blocks, "CPU block id", "disk transfer")
+        rows = cpu.block_ids.tolist()
+        if len(set(rows)) != n:  # two blocks in one row: each would be checked against the other
+            raise TransferSpecError(f"a disk transfer names a CPU block twice: {rows}")
         groups = len(self._payload)
         files: list[SlabFiles] = []
         total = 0
@@ -174,7 +177,6 @@ class DiskTierHandler(TierIOHandler[DiskLoadStoreSpec]):
             total += self._payload[group]
         deadline = time.monotonic() + self.io_timeout
         job = self._write if self.to_disk else self._read
-        rows = cpu.block_ids.tolist()
         return self._dispatch_job(partial(job, disk, rows, files, deadline), disk, total)
 
     # ------------------------------------------------------------ the jobs

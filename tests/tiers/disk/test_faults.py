@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from aiokvo import CPULoadStoreSpec, TransferResult
+from aiokvo.errors import TransferSpecError
 from aiokvo.tiers import DiskTier, FileIO
 from tests.tiers.disk._util import KV, fill, keys, offloader
 
@@ -339,3 +341,25 @@ async def test_merged_calls_that_move_a_few_bytes_at_a_time_still_move_every_byt
         assert await off.load_prefix(ks[:8], list(range(40, 48))) == 8
         assert kv.holds(range(40, 48), ks[:8])
         assert off.statistics().tiers[0].checksum_failures == 0
+
+
+async def test_a_transfer_naming_one_cpu_block_twice_is_refused_before_any_io(
+    disk_tier_path: Path,
+) -> None:
+    kv = KV()
+    ks = keys("dup", 2)
+    async with offloader(kv, disk_tier_path, cpu_blocks=8) as off:
+        (tier,) = off.tiers
+        store = tier.prepare_store(ks)
+        assert store is not None
+        with pytest.raises(TransferSpecError, match="names a CPU block twice"):
+            await off.worker.transfer_async(9_000, (CPULoadStoreSpec([3, 3]), store.spec))
+        tier.complete_store(store, TransferResult(9_000, False))
+        assert tier.statistics().blocks_written == 0
+        await fill(off, kv, ks)  # the tier is whole: the same keys store and load after it
+        load = tier.prepare_load(ks)
+        assert load is not None
+        with pytest.raises(TransferSpecError, match="names a CPU block twice"):
+            await off.worker.transfer_async(9_001, (load.spec, CPULoadStoreSpec([5, 5])))
+        tier.complete_load(load, TransferResult(9_001, False))
+        assert tier.statistics().blocks_read == 0
