@@ -35,7 +35,7 @@ from aiokvo.tiers.disk.config import DiskTierConfig, FsyncPolicy
 from aiokvo.tiers.disk.files import FileIO, probe_direct
 from aiokvo.tiers.disk.format import HEADER_PAGE, MAX_KEY_BYTES, Entry, SlabGeometry
 from aiokvo.tiers.disk.handler import DiskTierHandler
-from aiokvo.tiers.disk.runs import DEFAULT_MAX_IO_BYTES, DEFAULT_READ_THREADS
+from aiokvo.tiers.disk.runs import DEFAULT_MAX_IO_BYTES, DEFAULT_READ_THREADS, IOV_MAX
 from aiokvo.tiers.disk.slab import SlabDirectory, SlabFiles
 from aiokvo.tiers.disk.spec import DISK_MEDIUM, BlockStatus, DiskLoadStoreSpec
 from aiokvo.tiers.disk.state import DiskTierState
@@ -190,7 +190,14 @@ class DiskTier(Tier):
             model_id=config.model_id,
             dtype=config.dtype or binding.dtype or "unspecified",
         )
-        payload = max(fingerprint.payload_bytes(g) for g in range(len(fingerprint.group_refs)))
+        groups = range(len(fingerprint.group_refs))
+        widest = max(len(fingerprint.group_tensors(g)) for g in groups)
+        if widest > IOV_MAX:  # a block is one preadv/pwritev of one iovec per tensor
+            raise ConfigError(
+                f"a block of {widest} tensors needs {widest} iovecs; the disk tier moves a "
+                f"block in one call, and this system allows {IOV_MAX}"
+            )
+        payload = max(fingerprint.payload_bytes(g) for g in groups)
         slot_bytes = _round_up(max(payload, 1), HEADER_PAGE)
         num_slots = _slots_for(config.capacity_bytes, slot_bytes)
         if num_slots < 1:

@@ -16,6 +16,7 @@ from aiokvo.events import EventSubscription
 from aiokvo.keys import OffloadKey
 from aiokvo.tiers import DiskTier, DiskTierConfig
 from aiokvo.tiers.disk.format import ENTRY_BYTES, HEADER_PAGE
+from aiokvo.tiers.disk.runs import IOV_MAX
 from tests.tiers.disk._util import KV, FaultyIO, data_file, fill, keys, offloader
 
 
@@ -485,6 +486,14 @@ def test_a_capacity_below_one_block_is_refused_at_bind(disk_tier_path: Path) -> 
     kv = KV()
     with pytest.raises(ConfigError, match="holds no block"):
         offloader(kv, disk_tier_path, capacity_bytes=HEADER_PAGE + ENTRY_BYTES)
+
+
+def test_a_block_of_more_tensors_than_one_call_takes_is_refused_at_bind(
+    disk_tier_path: Path,
+) -> None:
+    kv = KV(2, page=64, layers=IOV_MAX + 1)
+    with pytest.raises(ConfigError, match=f"{IOV_MAX + 1} tensors needs {IOV_MAX + 1} iovecs"):
+        offloader(kv, disk_tier_path, cpu_blocks=1)
 
 
 def test_a_root_open_to_others_is_refused(tmp_path: Path) -> None:
