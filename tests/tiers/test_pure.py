@@ -106,7 +106,7 @@ def test_pure_parts_import_without_asyncio_or_torch() -> None:
         "import sys\n"
         "import aiokvo.tiers.disk.state, aiokvo.tiers.base, aiokvo.tiers.breaker\n"
         "import aiokvo.tiers.fingerprint, aiokvo.tiers.admission, aiokvo.tiers.disk.config\n"
-        "import aiokvo.tiers.disk.runs, aiokvo.tiers.counters\n"
+        "import aiokvo.tiers.disk.runs, aiokvo.tiers.counters, aiokvo.tiers.report\n"
         "import aiokvo.manager.slots\n"
         "bad = [m for m in ('asyncio', 'torch') if m in sys.modules]\n"
         "assert not bad, bad\n"

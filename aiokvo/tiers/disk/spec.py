@@ -18,6 +18,7 @@ from enum import IntEnum
 from aiokvo.errors import InvalidSpecError
 from aiokvo.keys import OffloadKey
 from aiokvo.specs import LoadStoreSpec
+from aiokvo.tiers.report import BlockOutcomes
 
 __all__ = ["DISK_MEDIUM", "BlockLocation", "BlockReport", "BlockStatus", "DiskLoadStoreSpec"]
 
@@ -47,31 +48,15 @@ class BlockLocation:
     generation: int = 0
 
 
-class BlockReport:
-    """Per-block outcome of one transfer, written by the handler's thread.
+class BlockReport(BlockOutcomes[BlockStatus]):
+    """Per-block outcome of one disk transfer (:class:`~aiokvo.tiers.report.BlockOutcomes`);
+    ``checksums`` holds what a write computed for each block."""
 
-    Read it only after the transfer has ended (the transfer's completion
-    orders the thread's writes before the loop's reads). ``checksums`` holds
-    what a write computed for each block; ``error`` the first failure.
-    """
-
-    __slots__ = ("checksums", "error", "status")
+    __slots__ = ("checksums",)
 
     def __init__(self, n: int) -> None:
-        self.status: list[BlockStatus] = [BlockStatus.NOT_RUN] * n
+        super().__init__(n, BlockStatus.NOT_RUN)
         self.checksums: list[int] = [0] * n
-        self.error: BaseException | None = None
-
-    def fail(self, i: int, status: BlockStatus, error: BaseException) -> None:
-        self.status[i] = status
-        if self.error is None:
-            self.error = error
-
-    def count(self, status: BlockStatus) -> int:
-        return sum(1 for s in self.status if s is status)
-
-    def __repr__(self) -> str:
-        return f"<BlockReport {[s.name for s in self.status]}>"
 
 
 class DiskLoadStoreSpec(LoadStoreSpec):

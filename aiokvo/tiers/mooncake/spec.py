@@ -17,6 +17,7 @@ from enum import IntEnum
 from aiokvo.errors import InvalidSpecError
 from aiokvo.keys import OffloadKey
 from aiokvo.specs import LoadStoreSpec
+from aiokvo.tiers.report import BlockOutcomes
 
 __all__ = ["MOONCAKE_MEDIUM", "BlockReport", "BlockStatus", "MooncakeLoadStoreSpec"]
 
@@ -53,46 +54,16 @@ STALE_EXISTS = frozenset(
 (the negative cache): asking again soon would only repeat a doomed get."""
 
 
-class BlockReport:
-    """Per-block outcome of one transfer, written by the handler's thread.
+class BlockReport(BlockOutcomes[BlockStatus]):
+    """Per-block outcome of one Mooncake transfer (:class:`~aiokvo.tiers.report.BlockOutcomes`);
+    ``codes`` holds what Mooncake returned for each object (bytes read, 0, or a
+    negative ``ErrorCode``)."""
 
-    Read it only after the transfer has ended (its completion orders the
-    thread's writes before the loop's reads). ``codes`` holds what Mooncake
-    returned for each object (bytes read, 0, or a negative ``ErrorCode``);
-    ``error`` the first failure.
-    """
-
-    __slots__ = ("codes", "error", "status")
+    __slots__ = ("codes",)
 
     def __init__(self, n: int) -> None:
-        self.status: list[BlockStatus] = [BlockStatus.NOT_RUN] * n
+        super().__init__(n, BlockStatus.NOT_RUN)
         self.codes: list[int] = [0] * n
-        self.error: BaseException | None = None
-
-    def fail(self, i: int, status: BlockStatus, error: BaseException) -> None:
-        self.status[i] = status
-        if self.error is None:
-            self.error = error
-
-    def fail_range(self, lo: int, hi: int, status: BlockStatus, error: BaseException) -> None:
-        """Mark blocks ``lo:hi`` as ``status``."""
-        self.status[lo:hi] = [status] * (hi - lo)
-        if self.error is None:
-            self.error = error
-
-    def fail_all(self, status: BlockStatus, error: BaseException) -> None:
-        """Mark every block not yet finished as ``status``."""
-        for i, current in enumerate(self.status):
-            if current is BlockStatus.NOT_RUN:
-                self.status[i] = status
-        if self.error is None:
-            self.error = error
-
-    def count(self, status: BlockStatus) -> int:
-        return sum(1 for s in self.status if s is status)
-
-    def __repr__(self) -> str:
-        return f"<BlockReport {[s.name for s in self.status]}>"
 
 
 class MooncakeLoadStoreSpec(LoadStoreSpec):
