@@ -1,4 +1,4 @@
-"""Small helpers every layer shares: ``async with`` for resources, and argument checks.
+"""Small helpers every layer shares: ``async with`` for resources, argument checks, lazy exports.
 
 The checks exist so that every public entry point rejects bad input the
 same way: with a typed :mod:`aiokvo.errors` exception that names the
@@ -7,15 +7,23 @@ argument and shows the value, before any state changes.
 
 from __future__ import annotations
 
+import importlib
 import operator
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, MutableMapping
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import Any, Self, TypeVar
 
 from aiokvo.errors import AiokvoError, ConfigError
 
-__all__ = ["AsyncResource", "check_choice", "check_int", "check_name", "check_text"]
+__all__ = [
+    "AsyncResource",
+    "check_choice",
+    "check_int",
+    "check_name",
+    "check_text",
+    "lazy_export",
+]
 
 _T = TypeVar("_T")
 
@@ -113,3 +121,19 @@ def _bounds(minimum: int | None, maximum: int | None) -> str:
     if maximum is not None:
         return f" <= {maximum}"
     return ""
+
+
+def lazy_export(namespace: MutableMapping[str, Any], where: Mapping[str, str], name: str) -> Any:
+    """A package's PEP 562 ``__getattr__``: ``name`` from module ``where[name]``, imported now.
+
+    Packages list heavy names (torch, asyncio, Mooncake behind them) this way
+    so that importing the package's pure parts loads none of it. The value is
+    cached in ``namespace`` (the package's ``globals()``), so each name
+    resolves once.
+    """
+    module = where.get(name)
+    if module is None:
+        raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    namespace[name] = value
+    return value

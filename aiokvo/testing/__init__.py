@@ -21,8 +21,9 @@ neither torch nor CUDA.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from aiokvo._util import lazy_export
 
 if TYPE_CHECKING:
     from aiokvo.testing.gpu import GpuInfo, GpuInventory, probe_gpus
@@ -56,11 +57,8 @@ _WHERE = {
     "missing_mooncake": "mooncake", "require_mooncake": "mooncake",
 }
 
+_MODULES = {name: f"{__name__}.{module}" for name, module in _WHERE.items()}
+
 
 def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'aiokvo.testing' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+    return lazy_export(globals(), _MODULES, name)

@@ -10,8 +10,9 @@ asyncio or torch. See docs/tiers.md.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from aiokvo._util import lazy_export
 
 if TYPE_CHECKING:
     from aiokvo.tiers.admission import Admission
@@ -69,12 +70,7 @@ _WHERE = {
 
 
 def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'aiokvo.tiers' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return lazy_export(globals(), _WHERE, name)
 
 
 def __dir__() -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from aiokvo._util import lazy_export
 from aiokvo.tiers.disk.config import DiskTierConfig
 from aiokvo.tiers.disk.spec import DiskLoadStoreSpec
 
@@ -27,11 +28,4 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'aiokvo.tiers.disk' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return lazy_export(globals(), _LAZY, name)

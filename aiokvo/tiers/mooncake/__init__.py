@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from aiokvo._util import lazy_export
 from aiokvo.tiers.mooncake.config import MooncakeTierConfig
 from aiokvo.tiers.mooncake.spec import MOONCAKE_MEDIUM, MooncakeLoadStoreSpec
 
@@ -42,11 +43,4 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'aiokvo.tiers.mooncake' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return lazy_export(globals(), _LAZY, name)
