@@ -494,19 +494,24 @@ class MooncakeTier(Tier):
         assert isinstance(spec, MooncakeLoadStoreSpec)
         self._tickets.pop(spec, None)
         _never_ran(spec, result)
-        rows = self._rows
-        assert rows is not None
-        nbytes = sum(
-            rows[1].payload[rows[1].group_of(k)]
-            for k, s in zip(spec.keys, spec.report.status, strict=True)
-            if s is BlockStatus.OK
-        )
         good = self.state.complete_read(
-            load, now=self._clock(), nbytes=nbytes, seconds=result.transfer_time or 0.0
-        )
+            load, now=self._clock(), nbytes=self._bytes_ok(spec, get=True),
+            seconds=result.transfer_time or 0.0,
+        )  # fmt: skip
         self._remove_bad()
         self._check_health()
         return good
+
+    def _bytes_ok(self, spec: MooncakeLoadStoreSpec, *, get: bool) -> int:
+        """Payload bytes of the blocks of ``spec`` that moved (by the get or put rows' layout)."""
+        rows = self._rows
+        assert rows is not None
+        layout = rows[1] if get else rows[0]
+        return sum(
+            layout.payload[layout.group_of(k)]
+            for k, s in zip(spec.keys, spec.report.status, strict=True)
+            if s is BlockStatus.OK
+        )
 
     def _remove_bad(self) -> None:
         names = self.state.take_removals()
@@ -543,16 +548,10 @@ class MooncakeTier(Tier):
         assert isinstance(spec, MooncakeLoadStoreSpec)
         self._tickets.pop(spec, None)
         _never_ran(spec, result)
-        rows = self._rows
-        assert rows is not None
-        nbytes = sum(
-            rows[0].payload[rows[0].group_of(k)]
-            for k, s in zip(spec.keys, spec.report.status, strict=True)
-            if s is BlockStatus.OK
-        )
         self.state.complete_write(
-            store, now=self._clock(), nbytes=nbytes, seconds=result.transfer_time or 0.0
-        )
+            store, now=self._clock(), nbytes=self._bytes_ok(spec, get=False),
+            seconds=result.transfer_time or 0.0,
+        )  # fmt: skip
         self._check_health()
 
     def _overdue(self, spec: MooncakeLoadStoreSpec) -> None:
