@@ -50,7 +50,8 @@ import torch
 
 import aiokvo
 from aiokvo import CanonicalKVCaches, CPULoadStoreSpec, OffloadConfig, Offloader, make_offload_key
-from aiokvo.tiers import DiskTier
+from aiokvo.keys import OffloadKey
+from aiokvo.tiers import DiskTier, Tier
 from aiokvo.tiers.disk.files import FileIO, read_all, write_all
 from aiokvo.tiers.disk.runs import DEFAULT_MAX_IO_BYTES, DEFAULT_READ_THREADS
 
@@ -62,6 +63,35 @@ def layout(block_bytes: int, gpu_blocks: int = 4) -> CanonicalKVCaches:
     return CanonicalKVCaches.from_engine(
         [torch.zeros(gpu_blocks, page, dtype=torch.int8) for _ in range(TENSORS)]
     )
+
+
+async def tier_write(
+    off: Offloader, tier: Tier, keys: list[OffloadKey], ids: CPULoadStoreSpec, job: list[int]
+) -> float:
+    """Seconds one (CPU, tier) transfer of every key from the pool rows ``ids`` takes."""
+    store = tier.prepare_store(keys)
+    assert store is not None and len(store.keys) == len(keys)
+    job[0] += 1
+    start = time.perf_counter()
+    result = await off.worker.transfer_async(job[0], (ids, store.spec))
+    elapsed = time.perf_counter() - start
+    tier.complete_store(store, result)
+    assert result.success, result
+    return elapsed
+
+
+async def tier_read(
+    off: Offloader, tier: Tier, keys: list[OffloadKey], ids: CPULoadStoreSpec, job: list[int]
+) -> float:
+    """Seconds one (tier, CPU) transfer of every key into the pool rows ``ids`` takes."""
+    load = tier.prepare_load(keys)
+    assert load is not None
+    job[0] += 1
+    start = time.perf_counter()
+    result = await off.worker.transfer_async(job[0], (load.spec, ids))
+    elapsed = time.perf_counter() - start
+    assert len(tier.complete_load(load, result)) == len(keys) and result.success, result
+    return elapsed
 
 
 async def throughput(
@@ -113,27 +143,6 @@ async def throughput(
             finally:
                 os.close(fd)
 
-        async def tier_write() -> float:
-            store = tier.prepare_store(keys)
-            assert store is not None and len(store.keys) == n
-            job[0] += 1
-            start = time.perf_counter()
-            result = await off.worker.transfer_async(job[0], (ids, store.spec))
-            elapsed = time.perf_counter() - start
-            tier.complete_store(store, result)
-            assert result.success, result
-            return elapsed
-
-        async def tier_read() -> float:
-            load = tier.prepare_load(keys)
-            assert load is not None
-            job[0] += 1
-            start = time.perf_counter()
-            result = await off.worker.transfer_async(job[0], (load.spec, ids))
-            elapsed = time.perf_counter() - start
-            assert len(tier.complete_load(load, result)) == n and result.success, result
-            return elapsed
-
         async def evict_all() -> None:  # fresh slots each round, as the raw file is fresh
             state = tier.state
             state.slots.remove(list(state.own_keys()))
@@ -145,9 +154,9 @@ async def throughput(
         for r in range(rounds):
             await evict_all()
             rw = await loop.run_in_executor(None, raw_write)
-            tw = await tier_write()
+            tw = await tier_write(off, tier, keys, ids, job)
             rr = await loop.run_in_executor(None, raw_read)
-            tr = await tier_read()
+            tr = await tier_read(off, tier, keys, ids, job)
             gb = n * block_bytes / 1e9
             ratios_w.append(rw / tw)
             ratios_r.append(rr / tr)
@@ -278,36 +287,15 @@ async def mooncake_throughput(
             assert all(c >= 0 for c in codes), sorted(set(codes))
             return elapsed
 
-        async def tier_write(keys: list) -> float:  # type: ignore[type-arg]
-            store = tier.prepare_store(keys)
-            assert store is not None and len(store.keys) == n
-            job[0] += 1
-            start = time.perf_counter()
-            result = await off.worker.transfer_async(job[0], (ids, store.spec))
-            elapsed = time.perf_counter() - start
-            tier.complete_store(store, result)
-            assert result.success, result
-            return elapsed
-
-        async def tier_read(keys: list) -> float:  # type: ignore[type-arg]
-            load = tier.prepare_load(keys)
-            assert load is not None
-            job[0] += 1
-            start = time.perf_counter()
-            result = await off.worker.transfer_async(job[0], (load.spec, ids))
-            elapsed = time.perf_counter() - start
-            assert len(tier.complete_load(load, result)) == n and result.success, result
-            return elapsed
-
         ratios_w, ratios_r = [], []
         for r in range(rounds + 1):  # round 0 warms the node's fresh segment memory
             keys = [make_offload_key(hashlib.sha256(b"mc%d-%d" % (r, i)).digest(), 0)
                     for i in range(n)]  # fmt: skip
             names = [f"bench-raw/{block_bytes}/{r}/{i}" for i in range(n)]
             rw = await loop.run_in_executor(None, raw_call, raw.batch_put_from, names)
-            tw = await tier_write(keys)
+            tw = await tier_write(off, tier, keys, ids, job)
             rr = await loop.run_in_executor(None, raw_call, raw.batch_get_into, names)
-            tr = await tier_read(keys)
+            tr = await tier_read(off, tier, keys, ids, job)
             raw.remove_all(True)  # room for the next round (the tier's objects too)
             if r == 0:
                 continue
