@@ -58,12 +58,13 @@ class FakeKernel:
 
 
 class _FakeEvent:
-    __slots__ = ("done", "error", "recorded", "timestamps", "timing")
+    __slots__ = ("done", "error", "recorded", "timestamps", "timing", "waiters")
 
     def __init__(self, timing: bool) -> None:
         self.timing = timing
         self.recorded = 0  # generations recorded so far
         self.done = 0  # generations whose marker has run
+        self.waiters = 0  # threads inside event_synchronize on it
         self.error: CudaError | None = None
         self.timestamps: dict[int, float] = {}
 
@@ -116,6 +117,10 @@ class FakeDriver:
         self._current = threading.local()
         self._pending_gate: threading.Event | None = None
         self._pending_failure: CudaError | None = None
+        self._sync_gate: threading.Event | None = None
+        # The real driver crashes the process when an event is destroyed while
+        # a thread is inside cudaEventSynchronize on it; the fake counts it.
+        self.destroyed_while_waited = 0
         self.gate_timeout = 30.0  # a test that fails before opening a gate must not hang
         self._clock = itertools.count(1)
 
@@ -138,6 +143,14 @@ class FakeDriver:
         """Make the next copy or launch enqueued (on any stream) wait for the returned event."""
         gate = threading.Event()
         self._pending_gate = gate
+        return gate
+
+    def hold_next_synchronize(self) -> threading.Event:
+        """Keep the next ``event_synchronize`` inside the call, after its event
+        completed, until the returned event is set (a waiter thread that is
+        slow to come back out of the driver)."""
+        gate = threading.Event()
+        self._sync_gate = gate
         return gate
 
     def enqueue_host(self, stream: int, fn: _Op) -> None:
@@ -287,7 +300,11 @@ class FakeDriver:
 
     def event_destroy(self, event: int) -> None:
         self._enter("event_destroy")
-        if self._events.pop(event, None) is None:
+        with self._cond:
+            target = self._events.pop(event, None)
+            if target is not None and target.waiters:
+                self.destroyed_while_waited += 1
+        if target is None:
             raise CudaError("cudaEventDestroy", "cudaErrorInvalidResourceHandle", 400)
 
     def event_record(self, event: int, stream: int) -> None:
@@ -321,10 +338,19 @@ class FakeDriver:
         self._enter("event_synchronize")
         target = self._event(event)
         with self._cond:
+            target.waiters += 1
             generation = target.recorded
             self._cond.wait_for(lambda: target.done >= generation)
-            if target.error is not None:
-                raise target.error
+            error = target.error
+            gate, self._sync_gate = self._sync_gate, None
+        try:
+            if gate is not None:
+                gate.wait(self.gate_timeout)
+        finally:
+            with self._cond:
+                target.waiters -= 1
+        if error is not None:
+            raise error
 
     def event_elapsed_ms(self, start: int, end: int) -> float:
         self._enter("event_elapsed_ms")

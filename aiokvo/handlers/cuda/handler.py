@@ -21,6 +21,7 @@ transfer stay referenced until its completion event has fired; then
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -45,6 +46,8 @@ from aiokvo.layout import CanonicalKVCaches
 from aiokvo.plan import PointerPlan, RowSpace, TensorLike, TransferPlanner
 from aiokvo.runtime.poller import PollerMode
 from aiokvo.specs import TransferSpec
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CudaOffloadingHandler", "ProducerStream"]
 
@@ -291,7 +294,18 @@ class CudaOffloadingHandler(SingleDirectionHandler):
                 clean = False
         if transfer.end is not None and transfer.end == self._last_end:
             self._last_end = None
+        if source is not None and source.after_waiters(
+            lambda: self._return_from_waiter(transfer, clean=clean)
+        ):
+            return  # a waiter thread is still inside cudaEventSynchronize on ``end``
         self._return(transfer, clean=clean)
+
+    def _return_from_waiter(self, transfer: _Transfer, *, clean: bool) -> None:
+        """:meth:`_return` on the last waiter thread, which has nobody to raise to."""
+        try:
+            self._return(transfer, clean=clean)
+        except (CudaError, KeyError):
+            logger.exception("returning the CUDA handles of a finished transfer failed")
 
     def _return(self, transfer: _Transfer, *, clean: bool) -> None:
         """Hand a transfer's pooled objects back (or destroy them if their state is unknown)."""

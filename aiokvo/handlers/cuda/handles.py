@@ -25,14 +25,22 @@ class CudaEvent:
     thread, and sleeps rather than spins because pooled completion events
     are created with ``cudaEventBlockingSync``. Both raise
     :class:`~aiokvo.errors.CudaError` if the work before the event failed.
+
+    The loop may see the event complete (``query``) while a waiter thread is
+    still inside ``cudaEventSynchronize`` on it; destroying the event then
+    crashes the process (seen on an H200). :meth:`after_waiters` therefore
+    defers the release of the handle until the last such thread has returned.
     """
 
-    __slots__ = ("_done", "_driver", "event")
+    __slots__ = ("_after", "_done", "_driver", "_lock", "_waiting", "event")
 
     def __init__(self, driver: CudaDriver, event: int) -> None:
         self._driver = driver
         self.event = event
         self._done = False
+        self._lock = threading.Lock()
+        self._waiting = 0
+        self._after: Callable[[], None] | None = None
 
     def query(self) -> bool:
         if self._done:
@@ -42,9 +50,35 @@ class CudaEvent:
         return done
 
     def synchronize(self) -> None:
-        if not self._done:
+        if self._done:
+            return
+        with self._lock:
+            self._waiting += 1
+        try:
             self._driver.event_synchronize(self.event)
             self._done = True
+        finally:
+            with self._lock:
+                self._waiting -= 1
+                action = self._after if self._waiting == 0 else None
+                if action is not None:
+                    self._after = None
+            if action is not None:
+                action()
+
+    def after_waiters(self, action: Callable[[], None]) -> bool:
+        """Run ``action`` once no thread is blocked in :meth:`synchronize`.
+
+        Returns False when none is (the caller runs ``action`` itself, and
+        sees its errors); True when ``action`` was deferred to the last
+        waiter, which then runs it on its own thread.
+        """
+        with self._lock:
+            if self._waiting == 0:
+                return False
+            assert self._after is None, "a CudaEvent is released once"
+            self._after = action
+            return True
 
     @property
     def completed(self) -> bool:

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -501,6 +502,37 @@ async def test_aclose_drains_in_flight_transfers_then_destroys_everything(rig: R
     assert rig.driver.live_events == 0
     assert rig.driver.live_streams == 1  # only the fake's "current" producer stream
     assert rig.driver.live_host_allocations == 0
+
+
+async def test_no_event_is_destroyed_under_a_waiter_thread_still_in_the_driver(
+    rig: Rig,
+) -> None:
+    # The loop's fallback poll can deliver a completion while the lane's waiter
+    # thread is still inside cudaEventSynchronize on the same event; closing the
+    # handler then destroyed that event under it (a segfault on an H200).
+    out = rig.handler(True, engine="dma")
+    driver = rig.driver
+    before = driver.calls["event_synchronize"]
+    copy_gate = driver.gate_next_op()
+    sync_gate = driver.hold_next_synchronize()
+    task = out.transfer_async(1, store([4], [2]))
+    deadline = time.monotonic() + 30
+    while driver.calls["event_synchronize"] == before:  # the waiter is in the driver
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.001)
+    copy_gate.set()
+    result = await task  # delivered by the loop: the waiter is held inside the call
+    assert result.success, result.error
+    assert driver._sync_gate is None  # the hold was taken by that waiter
+    await out.aclose()
+    assert driver.destroyed_while_waited == 0
+    assert driver.live_events > 0  # the held event outlives the close ...
+    sync_gate.set()
+    while driver.live_events:  # ... until its waiter comes back out
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.001)
+    assert driver.destroyed_while_waited == 0
+    assert torch.equal(rig.cpu[0][2], rig.gpu[0][4])
 
 
 async def test_cancelled_wait_does_not_cancel_the_copy(rig: Rig) -> None:
