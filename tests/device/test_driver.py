@@ -63,6 +63,14 @@ def test_probe_reads_a_driver_error_as_no_device(monkeypatch: pytest.MonkeyPatch
     assert cuda_device_count() == 0
 
 
+@pytest.fixture
+def no_loaded_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in a fresh process: on a GPU box an earlier test has loaded (and cached)
+    the real driver, and ``load_driver`` would hand that back without probing."""
+    monkeypatch.setattr(driver_module, "_drivers", {})
+
+
+@pytest.mark.usefixtures("no_loaded_driver")
 def test_load_driver_without_a_driver_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         runtime, "cudaGetDeviceCount", lambda: (Err.cudaErrorInsufficientDriver, None)
@@ -71,12 +79,14 @@ def test_load_driver_without_a_driver_says_why(monkeypatch: pytest.MonkeyPatch) 
         load_driver()
 
 
+@pytest.mark.usefixtures("no_loaded_driver")
 def test_load_driver_rejects_a_missing_device_index(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runtime, "cudaGetDeviceCount", lambda: (Err.cudaSuccess, 1))
     with pytest.raises(CudaUnavailableError, match="device 3 requested but 1 visible"):
         load_driver(3)
 
 
+@pytest.mark.usefixtures("no_loaded_driver")
 def test_a_cuda_handler_without_a_driver_raises_a_clear_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
