@@ -83,7 +83,7 @@ have_test_deps || log "WARNING: pytest/pytest-asyncio still missing; the tests c
 # ---------------------------------------------------------------------- tests
 log "running CUDA tests (fake, driver, gpu, the Offloader on the device)"
 timeout 240 "$PY" -m pytest -p no:cacheprovider -q -rs \
-    tests/handlers/cuda tests/device tests/offloader/test_gpu.py \
+    tests/handlers/cuda tests/device tests/offloader/test_gpu.py tests/testing/test_gpu.py \
     --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.txt"
 TESTS_RC=${PIPESTATUS[0]}
 log "tests exit code: $TESTS_RC"

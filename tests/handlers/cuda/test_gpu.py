@@ -324,3 +324,46 @@ async def test_the_generic_pair_factory_picks_cuda_for_cuda_tensors() -> None:
         )
         assert result.success, result.error
         assert torch.equal(pair.cpu_tensors[1][3], rows(kv[1])[7].cpu())
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("factor", [1, 2])
+async def test_padded_pinned_pool_round_trip_leaves_the_room_alone(
+    driver: RuntimeDriver, engine: str, factor: int
+) -> None:
+    """Rows with room after them (a tier's trailer): the real engines copy only the views."""
+    kv = random_kv(2, 16, (16, 8, 16))  # 4 KiB pages: padded rows stay page-aligned
+    caches = CanonicalKVCaches.from_block_tensors([kv])
+    async with make_cuda_handlers(
+        caches, block_size_factor=factor, num_cpu_blocks=4, driver=driver, engine=engine,
+        row_tail_bytes=64,
+    ) as pair:  # fmt: skip
+        assert pair.row_tail_bytes == 64
+        rooms = [
+            torch.as_strided(p, (4, 64), (p.stride(0), 1), p.storage_offset() + p.shape[1])
+            for p in pair.cpu_tensors
+        ]
+        for room in rooms:
+            room.fill_(0x5A)
+        gpu_ids = [9, 2, 14, 5][: 2 * factor]
+        cpu_ids = [3, 1][: len(gpu_ids) // factor]
+        spec = GPULoadStoreSpec(gpu_ids, [len(gpu_ids)], [0]), CPULoadStoreSpec(cpu_ids)
+        result = await pair.gpu_to_cpu.transfer_async(1, spec)
+        assert result.success, result.error
+        for layer, cpu in zip(kv, pair.cpu_tensors, strict=True):
+            expected = rows(layer)[gpu_ids].cpu().reshape(len(cpu_ids), -1)
+            assert torch.equal(cpu[cpu_ids], expected)
+        assert all(bool((room == 0x5A).all()) for room in rooms)
+        saved = [rows(layer)[gpu_ids].clone() for layer in kv]
+        for layer in kv:
+            rows(layer).zero_()
+        torch.cuda.synchronize()
+        back = CPULoadStoreSpec(cpu_ids), GPULoadStoreSpec(gpu_ids, [len(gpu_ids)], [0])
+        result = await pair.cpu_to_gpu.transfer_async(2, back)
+        assert result.success, result.error
+        torch.cuda.synchronize()
+        for layer, before in zip(kv, saved, strict=True):
+            assert torch.equal(rows(layer)[gpu_ids], before)
+            others = [i for i in range(16) if i not in gpu_ids]
+            assert not rows(layer)[others].any()  # no room byte landed on the GPU
+        del rooms
