@@ -2,7 +2,7 @@
 
 Measures, for GPU->CPU and CPU->GPU:
 
-* a page-size sweep (4, 8, 16, 32, 64, 256 KiB, 2 MiB; pages in shuffled
+* a page-size sweep (4, 8, 16, 32, 64, 256, 512 KiB, 1, 2 MiB; pages in shuffled
   order on both sides, so nothing coalesces);
 * a Llama-3-8B-like batch: 32 layers with K and V as separate tensors,
   16-token blocks of 8 heads x 128 x bf16 (32 KiB pages), 64 blocks per
@@ -49,7 +49,8 @@ from aiokvo.runtime.poller import EventPoller
 from aiokvo.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 KIB = 1024
-SWEEP_PAGES = [4 * KIB, 8 * KIB, 16 * KIB, 32 * KIB, 64 * KIB, 256 * KIB, 2048 * KIB]
+SWEEP_PAGES = [4 * KIB, 8 * KIB, 16 * KIB, 32 * KIB, 64 * KIB, 256 * KIB, 512 * KIB, 1024 * KIB,
+               2048 * KIB]
 
 
 @dataclass

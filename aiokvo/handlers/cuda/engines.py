@@ -42,12 +42,13 @@ __all__ = [
 EngineName: TypeAlias = Literal["dma", "kernel"]
 EngineMode: TypeAlias = Literal["auto", "dma", "kernel"]
 
-DEFAULT_KERNEL_BELOW_BYTES = 32 * 1024
+DEFAULT_KERNEL_BELOW_BYTES = 2 * 1024 * 1024
 """Pages smaller than this (on average) go to the kernel in ``"auto"`` mode.
 
-Unmeasured: taken from vLLM's H100 numbers (DMA at 5-7 GB/s for 4-24 KiB
-pages, ~50 GB/s at 64 KiB). ``benchmarks/bench_cuda.py`` measures both
-engines per page size; set it from that run (see ``docs/cuda.md``).
+Measured on an H200 (``benchmarks/bench_cuda.py``, 2026-12-04, RESULTS.md):
+the kernel holds 90-94% of the contiguous-copy ceiling from 4 KiB to 256 KiB
+pages in both directions, where DMA gets 3-80%; at 2 MiB DMA wins both ways
+(95-98% against 82-92%). Sizes between 256 KiB and 2 MiB go to the kernel.
 """
 
 _ENGINE_MODES: tuple[EngineMode, ...] = ("auto", "dma", "kernel")
