@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from aiokvo.errors import ConfigError
 
-__all__ = ["check_seconds", "parse_int", "parse_seconds", "settings_from_dict"]
+__all__ = ["check_keys", "check_seconds", "parse_int", "parse_seconds", "settings_from_dict"]
 
 _C = TypeVar("_C")
 
@@ -61,6 +61,23 @@ def check_seconds(name: str, value: object, *, allow_zero: bool = False) -> floa
     return float(value)  # type: ignore[arg-type]
 
 
+def check_keys(cls: type, settings: Mapping[str, Any], what: str) -> None:
+    """A ConfigError for a key of ``settings`` that is not a field of the dataclass
+    ``cls`` (``kind`` aside: it names a tier), or a required field left out."""
+    every = fields(cls)
+    known = {f.name for f in every}
+    unknown = sorted(str(k) for k in settings if k not in known and k != "kind")
+    if unknown:
+        raise ConfigError(f"unknown {what} settings {unknown}; known: {', '.join(sorted(known))}")
+    missing = sorted(
+        f.name
+        for f in every
+        if f.default is MISSING and f.default_factory is MISSING and f.name not in settings
+    )
+    if missing:
+        raise ConfigError(f"missing {what} settings: {', '.join(missing)} must be given")
+
+
 def settings_from_dict(
     cls: type[_C],
     settings: Mapping[str, Any],
@@ -79,18 +96,7 @@ def settings_from_dict(
     values of the ``seconds`` fields with :func:`parse_seconds`; the
     dataclass checks everything else itself.
     """
-    every = fields(cls)  # type: ignore[arg-type]
-    known = {f.name for f in every}
-    unknown = sorted(str(k) for k in settings if k not in known and k != "kind")
-    if unknown:
-        raise ConfigError(f"unknown {what} settings {unknown}; known: {', '.join(sorted(known))}")
-    missing = sorted(
-        f.name
-        for f in every
-        if f.default is MISSING and f.default_factory is MISSING and f.name not in settings
-    )
-    if missing:
-        raise ConfigError(f"missing {what} settings: {', '.join(missing)} must be given")
+    check_keys(cls, settings, what)
     values = {k: v for k, v in settings.items() if k != "kind"}
     for key in ints:
         if isinstance(values.get(key), str | float):

@@ -20,7 +20,7 @@ from typing import Literal, TypeAlias
 
 import torch
 
-from aiokvo._util import check_int
+from aiokvo._util import check_int, check_text
 from aiokvo.errors import LayoutError
 
 __all__ = [
@@ -119,18 +119,28 @@ class CanonicalKVCaches:
 
     Every tensor lives on the same device. Build one with :meth:`from_engine`
     (or :meth:`from_block_tensors`) rather than by hand where possible.
+    ``dtype`` names the engine tensors' element type (``"bfloat16"``; several
+    joined by ``","``): the canonical views are int8, and a tier's layout
+    fingerprint needs what the bytes mean. :meth:`from_engine` records it; by
+    hand, pass it (None: unknown, and a tier then wants it in its settings).
     """
 
     tensors: tuple[CanonicalKVCacheTensor, ...]
     group_data_refs: tuple[tuple[CanonicalKVCacheRef, ...], ...]
+    dtype: str | None
 
     def __init__(
         self,
         tensors: Iterable[CanonicalKVCacheTensor],
         group_data_refs: Iterable[Iterable[CanonicalKVCacheRef]],
+        *,
+        dtype: str | None = None,
     ) -> None:
         object.__setattr__(self, "tensors", tuple(tensors))
         object.__setattr__(self, "group_data_refs", tuple(tuple(g) for g in group_data_refs))
+        if dtype is not None:
+            check_text("dtype", dtype, error=LayoutError)
+        object.__setattr__(self, "dtype", dtype)
         self._validate()
 
     def _validate(self) -> None:
@@ -179,9 +189,11 @@ class CanonicalKVCaches:
         tensors: list[CanonicalKVCacheTensor] = []
         seen: dict[tuple[object, ...], int] = {}
         group_refs: list[list[CanonicalKVCacheRef]] = []
+        dtypes: dict[str, None] = {}
         for layers in groups:
             refs: list[CanonicalKVCacheRef] = []
             for name, raw in layers:
+                dtypes[str(raw.dtype).removeprefix("torch.")] = None
                 for part in _split_kv(raw, layout, name):
                     identity = _identity(part)
                     idx = seen.get(identity)
@@ -194,7 +206,7 @@ class CanonicalKVCaches:
                         tensors.append(canonical)
                     refs.append(CanonicalKVCacheRef(idx, tensors[idx].page_size_bytes))
             group_refs.append(refs)
-        return cls(tensors, group_refs)
+        return cls(tensors, group_refs, dtype=",".join(dtypes) or None)
 
     @classmethod
     def from_block_tensors(

@@ -375,7 +375,7 @@ async def mooncake_sharing(
 
 
 async def mooncake_section(args: argparse.Namespace) -> None:
-    from aiokvo.tiers.mooncake import LocalCluster
+    from aiokvo.testing import LocalCluster
 
     cluster: LocalCluster | None = None
     if args.mooncake == "local":

@@ -66,7 +66,7 @@ from aiokvo import (
     make_offload_key,
 )
 from aiokvo.tiers import DiskTier, MooncakeTier, Tier
-from aiokvo.tiers.mooncake import LocalCluster
+from aiokvo.testing import LocalCluster
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

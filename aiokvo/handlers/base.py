@@ -362,10 +362,45 @@ class SingleDirectionHandler(OffloadingHandler):
             {"message": f"{self!r}: Submission.{hook} raised", "exception": error}
         )
 
+    def _close_timeout(self) -> float | None:
+        """Seconds :meth:`aclose` waits for the transfers in flight (None: as long as
+        they take). A backend whose I/O can hang (a tier) bounds it; see
+        :meth:`_abandon_in_flight`."""
+        return None
+
+    def _abandon_in_flight(self, error: BaseException) -> int:
+        """Finish every transfer still in flight now, failed with ``error``; how many.
+
+        For a close that cannot wait any longer: the copy itself may go on (its
+        source completes later, unseen), so the caller must keep everything it
+        touches alive until it does.
+        """
+        now = time.perf_counter()
+        abandoned = 0
+        for entry in self._order:
+            if not entry.done:
+                entry.finished_at, entry.error, entry.done = now, error, True
+                abandoned += 1
+        order = self._order
+        while order:
+            self._finish(order.popleft())
+        return abandoned
+
+    def _on_abandon(self, abandoned: int) -> None:
+        """Called once a bounded close abandoned ``abandoned`` transfers."""
+
     async def _close(self) -> None:
         if self._live:
             self._drained = asyncio.get_running_loop().create_future()
-            await self._drained
+            timeout = self._close_timeout()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._drained), timeout)
+            except TimeoutError:
+                error = HandlerClosedError(
+                    f"{self!r} closed with transfers still running after {timeout} s; "
+                    "they were abandoned"
+                )
+                self._on_abandon(self._abandon_in_flight(error))
         try:
             await self._close_backend()
         finally:

@@ -58,6 +58,7 @@ __all__ = [
     "OwnerIdentity",
     "check_directory",
     "check_private",
+    "secure_directory",
     "file_identity",
     "open_private",
     "private_directory",
@@ -395,6 +396,41 @@ def check_directory(path: Path, *, error: ErrorType = UnsafeFileError) -> None:
             f"directory {path} has mode {stat.S_IMODE(st.st_mode):04o}: writable by "
             "group or others without the sticky bit, so they could swap the files in it"
         )
+
+
+def secure_directory(path: Path, *, error: ErrorType = UnsafeFileError) -> Path:
+    """``path`` as a directory nobody but this uid (and root) controls, made if missing.
+
+    For a directory the caller names (a disk tier's root), the rules ssh's
+    ``StrictModes`` applies to a home directory: every directory above it
+    must pass :func:`check_directory` (another uid able to rename an
+    ancestor could swap the whole tree), and so must ``path`` itself, which
+    must not be a symbolic link either. Missing directories are made one at a time with mode
+    0700 whatever the umask (``os.makedirs`` would leave the parents to the
+    umask), and checked once made. Returns the absolute path.
+    """
+    path = Path(os.path.abspath(path))
+    missing: list[Path] = []
+    probe = path
+    while not os.path.lexists(probe):
+        missing.append(probe)
+        probe = probe.parent
+    for ancestor in reversed(probe.parents):
+        check_directory(ancestor, error=error)
+    for directory in [probe, *reversed(missing)]:
+        if directory in missing:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(directory, _PRIVATE_DIR_MODE)
+        if directory != path:
+            check_directory(directory, error=error)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise error(f"{path} is a symbolic link; refusing to follow it (name the directory "
+                    "it points to)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise error(f"{path} exists but is not a directory")
+    check_directory(path, error=error)
+    return path
 
 
 def private_directory(parent: Path, name: str, *, error: ErrorType = UnsafeFileError) -> Path:

@@ -133,10 +133,7 @@ class Offloader(AsyncResource):
             driver = None
             if tier_list:
                 assert isinstance(spec, CPUOffloadingSpec)
-                binding = TierBinding(
-                    kv, spec.cpu_tensors, config, manager.sink,
-                    None if kv is kv_caches else _dtype_of(kv_caches),
-                )  # fmt: skip
+                binding = TierBinding(kv, spec.cpu_tensors, config, manager.sink, kv.dtype)
                 room = spec.cpu_row_tail_bytes
                 for i, tier in enumerate(tier_list):
                     mine = i == owner and room >= tails[i]
@@ -712,25 +709,6 @@ def _tiers(config: OffloadConfig, tiers: Sequence[Tier] | None) -> list[Tier]:
         if not isinstance(tier, Tier):
             raise ConfigError(f"tiers entries must be Tier objects, got {tier!r}")
     return list(tiers)
-
-
-def _dtype_of(kv_caches: object) -> str | None:
-    """The engine tensors' dtype(s) as a name ("bfloat16"), for the layout fingerprint."""
-    found: dict[str, None] = {}
-
-    def walk(item: object) -> None:
-        dtype = getattr(item, "dtype", None)
-        if dtype is not None and hasattr(item, "data_ptr"):
-            found[str(dtype).removeprefix("torch.")] = None
-        elif isinstance(item, Mapping):
-            for value in item.values():
-                walk(value)
-        elif isinstance(item, list | tuple):
-            for value in item:
-                walk(value)
-
-    walk(kv_caches)
-    return ",".join(found) or None
 
 
 def _as_list(keys: Iterable[OffloadKey]) -> list[OffloadKey]:

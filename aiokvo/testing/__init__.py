@@ -13,7 +13,10 @@ this package holds what a test imports directly:
 * :func:`probe_gpus`, :class:`GpuInfo`, :class:`GpuInventory`
   (:mod:`aiokvo.testing.gpu`);
 * :func:`missing_mooncake` and :func:`require_mooncake`
-  (:mod:`aiokvo.testing.mooncake`).
+  (:mod:`aiokvo.testing.mooncake`); :class:`LocalCluster`, a real
+  throwaway Mooncake cluster on loopback
+  (:mod:`aiokvo.testing.mooncake_cluster`), and :class:`FakeMooncakeCluster`,
+  an in-process stand-in (:mod:`aiokvo.testing.mooncake_fake`).
 
 Names resolve lazily, so the plugin's import at pytest start-up loads
 neither torch nor CUDA.
@@ -30,12 +33,17 @@ if TYPE_CHECKING:
     from aiokvo.testing.kv import KVCaches, make_kv_caches
     from aiokvo.testing.leaks import assert_no_leaks, drain, leaked_threads, offloader_leaks
     from aiokvo.testing.mooncake import missing_mooncake, require_mooncake
+    from aiokvo.testing.mooncake_cluster import LocalCluster
+    from aiokvo.testing.mooncake_fake import FakeMooncakeCluster, FakeMooncakeStore
     from aiokvo.testing.offloaders import OffloaderFactory, offload_config
 
 __all__ = [
+    "FakeMooncakeCluster",
+    "FakeMooncakeStore",
     "GpuInfo",
     "GpuInventory",
     "KVCaches",
+    "LocalCluster",
     "OffloaderFactory",
     "assert_no_leaks",
     "drain",
@@ -55,6 +63,8 @@ _WHERE = {
     "offloader_leaks": "leaks",
     "OffloaderFactory": "offloaders", "offload_config": "offloaders",
     "missing_mooncake": "mooncake", "require_mooncake": "mooncake",
+    "LocalCluster": "mooncake_cluster",
+    "FakeMooncakeCluster": "mooncake_fake", "FakeMooncakeStore": "mooncake_fake",
 }
 
 _MODULES = {name: f"{__name__}.{module}" for name, module in _WHERE.items()}

@@ -10,7 +10,7 @@ where a missing dependency is a broken setup rather than a choice: on CI
 
 :class:`ClusterFactory` is what the plugin's ``mooncake_cluster`` fixture
 yields: ``mooncake_cluster(nodes=2, segment_size=...)`` starts a
-:class:`~aiokvo.tiers.mooncake.local.LocalCluster` (keywords as there) and
+:class:`~aiokvo.testing.mooncake_cluster.LocalCluster` (keywords as there) and
 every cluster it started is stopped, by pid, when the test ends.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from aiokvo.tiers.mooncake.local import LocalCluster
+    from aiokvo.testing.mooncake_cluster import LocalCluster
 
 __all__ = [
     "REQUIRE_ENV",
@@ -93,10 +93,10 @@ def require_mooncake() -> None:
 
 
 class ClusterFactory:
-    """Starts :class:`~aiokvo.tiers.mooncake.local.LocalCluster`\\ s for one test; stops them all.
+    """Starts :class:`~aiokvo.testing.mooncake_cluster.LocalCluster`\\ s for one test; stops them all.
 
     ``setenv`` applies a cluster's :attr:`client_env
-    <aiokvo.tiers.mooncake.local.LocalCluster.client_env>` to this process
+    <aiokvo.testing.mooncake_cluster.LocalCluster.client_env>` to this process
     for the test (pytest's ``monkeypatch.setenv``).
     """
 
@@ -107,7 +107,7 @@ class ClusterFactory:
 
     def __call__(self, nodes: int = 1, **options: Any) -> LocalCluster:
         require_mooncake()
-        from aiokvo.tiers.mooncake.local import LocalCluster
+        from aiokvo.testing.mooncake_cluster import LocalCluster
 
         workdir = self._workdir / f"cluster{len(self.clusters)}"
         workdir.mkdir(mode=0o700)

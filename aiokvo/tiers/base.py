@@ -108,50 +108,82 @@ class TierStore:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TierStatistics:
-    """What every tier reports (a tier's own subclass adds its specifics).
+    """What every tier reports; a tier's own subclass adds its specifics.
 
-    * ``medium``; ``capacity_blocks`` and ``used_blocks`` now;
-    * lookups: ``lookups`` calls, ``lookup_hits`` keys found, ``lookup_misses``
-      calls that stopped at a key the tier lacks, ``lookups_bypassed`` calls
-      answered 0 because the breaker was open;
-    * reads (promotions into the CPU pool): ``reads`` transfers,
-      ``blocks_read`` good blocks, ``read_failures`` blocks that failed (I/O
-      error, timeout, checksum), ``bytes_read``, ``read_seconds``;
-    * writes: ``offers`` keys offered, ``admitted`` of them let through,
-      ``writes`` transfers, ``blocks_written``, ``write_failures`` blocks,
-      ``writes_refused`` keys not written (no room, breaker open, backlog),
-      ``bytes_written``, ``write_seconds``;
-    * ``checksum_failures`` blocks whose bytes did not match (each a miss,
-      removed), ``evictions``, ``removals`` (evictions excluded),
-      ``timeouts`` transfers past their deadline;
-    * ``breaker``: the circuit breaker's snapshot.
+    Counters count since the tier was made. Blocks are counted one by one:
+    a transfer that fails part way counts its good blocks and its failures.
     """
 
     medium: str
+    """The tier's medium (``"DISK"``, ``"MOONCAKE"``): its specs' and its events'."""
     capacity_blocks: int = 0
+    """Blocks the tier can hold (0: the store places blocks, as a cluster does)."""
     used_blocks: int = 0
+    """Blocks held now (ready or being written), as far as the tier knows."""
+    connected: bool = True
+    """The store is reachable (stores that connect: False until they have)."""
+    connects: int = 0
+    """Times the store connected (stores that connect; a reconnection counts again)."""
+    connect_failures: int = 0
+    """Connection attempts that failed or passed their deadline."""
     lookups: int = 0
+    """Lookup calls."""
     lookup_hits: int = 0
+    """Keys lookups found."""
     lookup_misses: int = 0
+    """Lookup calls that stopped at a key the tier lacks."""
     lookups_bypassed: int = 0
+    """Lookup calls answered 0 without asking: the store disconnected or the breaker open."""
+    remote_lookups: int = 0
+    """Calls asking a remote store which keys exist (lookups in one loop turn share one)."""
+    lookup_failures: int = 0
+    """Remote lookup calls that failed or passed their deadline."""
+    lookup_timeouts: int = 0
+    """Remote lookup calls that passed their deadline."""
     reads: int = 0
+    """Read transfers (promotions into the CPU pool) that ended."""
     blocks_read: int = 0
+    """Blocks read back good."""
     read_failures: int = 0
+    """Blocks a read did not bring back (each a miss)."""
     bytes_read: int = 0
+    """Payload bytes of the good blocks read."""
     read_seconds: float = 0.0
+    """Time the read transfers took, summed."""
     offers: int = 0
+    """Keys offered for writing (the admission filter counts them)."""
     admitted: int = 0
+    """Offered keys let through to be written."""
     writes: int = 0
+    """Write transfers that ended."""
     blocks_written: int = 0
+    """Blocks written and made readable."""
     write_failures: int = 0
+    """Blocks a write did not commit."""
     writes_refused: int = 0
+    """Keys not written: no room, the breaker open or the store disconnected."""
     bytes_written: int = 0
+    """Payload bytes of the blocks written."""
     write_seconds: float = 0.0
+    """Time the write transfers took, summed."""
     checksum_failures: int = 0
+    """Blocks read back wrong (``CORRUPT``: each a miss, dropped from the tier)."""
+    stale_reads: int = 0
+    """Blocks the store had moved on from (``STALE``: replaced by another writer)."""
     evictions: int = 0
+    """Blocks the tier evicted to make room (a cluster's own are not seen)."""
     removals: int = 0
+    """Blocks dropped for bad bytes (evictions not included)."""
     timeouts: int = 0
+    """Transfers past their deadline."""
+    store_failures: int = 0
+    """Transfers the store failed (I/O errors, failed calls): the breaker's failures."""
+    abandoned: int = 0
+    """Transfers still stuck in the store when the tier closed, left to finish alone."""
+    failure_causes: dict[str, int] = field(default_factory=dict)
+    """Failed blocks by the store's own cause (``"not_found"``, ``"bad_trailer"``, ...)."""
     breaker: BreakerStatistics = field(default_factory=BreakerStatistics)
+    """The circuit breaker's snapshot."""
 
 
 class Tier(ABC):

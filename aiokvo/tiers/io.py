@@ -1,79 +1,165 @@
-"""The tier handlers' common shape: blocking I/O as in-order jobs, each with a deadline.
+"""``StoreHandler``: one direction between the CPU pool and a tier's store.
 
-A tier's handler (disk, Mooncake) never runs I/O on the loop: every
-transfer becomes one job on a :class:`~aiokvo.handlers.host.DispatchThread`
-(the handler's own unless one is shared), and a timer on the loop calls
-``on_overdue(spec)`` if the job has not finished after ``io_timeout``
-seconds, so that the tier's breaker and its waiting loads can move on while
-the blocking call runs out. The subclass checks a transfer, builds its job
-and says how many bytes it moves; this class does the rest.
+A :class:`~aiokvo.handlers.base.SingleDirectionHandler` (FIFO, awaitable
+:class:`~aiokvo.handlers.TransferTask`\\ s, statistics) whose transfers each
+run as one :class:`~aiokvo.tiers.store.BlockJob` of the store on the
+handler's own :class:`~aiokvo.handlers.host.dispatch.DispatchThread`, so
+reads (promotions a load waits for) never queue behind write-through. The
+loop only checks the transfer and enqueues it; it never runs a store's I/O
+(no ``assist``: a disk can stall, a memory copy cannot).
+
+Deadlines: a transfer has ``io_timeout`` seconds from submission, queueing
+included. The store starts no block after it, and a timer on the loop calls
+``on_overdue(spec)`` if the job has not finished by then, so the tier's
+breaker (and the loads waiting for it) can move on while a system call hangs.
+Closing waits for the transfers in flight until their deadline has passed
+once more; a job still stuck then is abandoned (its transfer fails, the
+thread is left to finish alone) and counted, so shutdown never hangs on a
+dead disk or server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from functools import partial
 
+from aiokvo.errors import TransferSpecError
 from aiokvo.handlers.base import SingleDirectionHandler, Submission
-from aiokvo.handlers.host.dispatch import DispatchEvent, DispatchThread, Work
+from aiokvo.handlers.host.dispatch import DispatchEvent, DispatchThread
+from aiokvo.handlers.task import DEFAULT_MAX_BUFFERED
+from aiokvo.plan.rows import check_ids_in_range
 from aiokvo.runtime.poller import PollerMode
+from aiokvo.specs import CPULoadStoreSpec, TransferSpec
+from aiokvo.tiers.outcome import Outcome
+from aiokvo.tiers.spec import TierSpec
+from aiokvo.tiers.store import BlockJob, BlockStore, PoolRows
 
-__all__ = ["TierIOHandler"]
+__all__ = ["StoreHandler"]
 
-SpecT = TypeVar("SpecT")
+Overdue = Callable[[TierSpec], None]
 
 
-class TierIOHandler(SingleDirectionHandler, Generic[SpecT]):
-    """One direction between the CPU pool and a tier, its I/O on a dispatch thread.
+class StoreHandler(SingleDirectionHandler):
+    """Writes (``write=True``: CPU -> store) or reads (store -> CPU) through ``store``.
 
-    ``route`` is the ``(src, dst)`` media pair; ``thread_name`` names the
-    handler's own dispatch thread (and its lane); ``on_overdue`` gets the
-    tier-side spec of a transfer past ``io_timeout`` (on the loop).
+    ``rows`` is the CPU pool as the store sees it; ``on_overdue`` gets the
+    tier-side spec of a transfer past ``io_timeout`` (on the loop);
+    ``on_abandon`` how many transfers a close had to abandon.
     """
 
     def __init__(
         self,
-        route: tuple[str, str],
+        store: BlockStore,
+        rows: PoolRows,
         *,
-        thread_name: str,
+        write: bool,
         io_timeout: float,
-        on_overdue: Callable[[SpecT], None],
-        dispatcher: DispatchThread | None,
-        poller_mode: PollerMode | None,
-        max_buffered: int,
+        on_overdue: Overdue,
+        on_abandon: Callable[[int], None] | None = None,
+        poller_mode: PollerMode | None = None,
+        max_buffered: int = DEFAULT_MAX_BUFFERED,
     ) -> None:
-        super().__init__(route, poller_mode=poller_mode, max_buffered=max_buffered)
+        medium = store.medium
+        super().__init__(
+            ("CPU", medium) if write else (medium, "CPU"),
+            poller_mode=poller_mode,
+            max_buffered=max_buffered,
+        )
+        self.write = write
+        self.store = store
+        self.rows = rows
         self.io_timeout = io_timeout
         self._on_overdue = on_overdue
-        self._owns_dispatcher = dispatcher is None
-        self._dispatch = dispatcher or DispatchThread(thread_name)
-        self._lane = (type(self).__name__, thread_name, id(self))
+        self._on_abandon_cb = on_abandon
+        name = f"aiokvo-{medium.lower()}-{'write' if write else 'read'}"
+        self._dispatch = DispatchThread(name)
+        self._lane = (type(self).__name__, name, id(self))
+        self.abandoned = 0
 
     @property
     def dispatcher(self) -> DispatchThread:
         return self._dispatch
 
-    def _dispatch_job(
-        self, job: Work, spec: SpecT, transfer_size: int
-    ) -> Submission:
-        """Queue ``job`` (after every earlier one) with a deadline for ``spec``'s transfer."""
+    # ------------------------------------------------------------------ submit
+    def _submit(self, job_id: int, spec: TransferSpec) -> Submission:
+        src, dst = self._check_route(spec)
+        cpu, tier = (src, dst) if self.write else (dst, src)
+        if not isinstance(cpu, CPULoadStoreSpec) or not isinstance(tier, TierSpec):
+            raise TransferSpecError(
+                f"a {self.store.medium} transfer pairs a CPULoadStoreSpec with its tier's "
+                f"spec, got {spec!r}"
+            )
+        n = len(tier)
+        if len(cpu) != n:
+            raise TransferSpecError(
+                f"{n} {self.store.medium} blocks need {n} CPU blocks, got {len(cpu)}"
+            )
+        rows = self.rows
+        what = f"{self.store.medium} transfer"
+        check_ids_in_range(cpu.block_ids, rows.num_blocks, "CPU block id", what)
+        cpu_rows = cpu.block_ids.tolist()
+        if len(set(cpu_rows)) != n:  # two blocks in one row: each checked against the other
+            raise TransferSpecError(f"a {what} names a CPU block twice: {cpu_rows}")
+        groups = [rows.group_of(key) for key in tier.keys]
+        total = sum(rows.payload[g] for g in groups)
+        job = BlockJob(tier, cpu_rows, groups, time.monotonic() + self.io_timeout)
+        run = partial(_run, self.store.write if self.write else self.store.read, job)
         event = DispatchEvent()  # no patience: the loop never runs a tier's I/O
-        self._dispatch.submit(job, event)
-        timer = asyncio.get_running_loop().call_later(self.io_timeout, self._overdue, spec, event)
+        self._dispatch.submit(run, event)
+        timer = asyncio.get_running_loop().call_later(self.io_timeout, self._overdue, tier, event)
         return Submission(
             source=event,
-            transfer_size=transfer_size,
+            transfer_size=total,
             lane=self._lane,
             elapsed=event.elapsed,
             release=timer.cancel,
         )
 
-    def _overdue(self, spec: SpecT, event: DispatchEvent) -> None:
+    def _overdue(self, spec: TierSpec, event: DispatchEvent) -> None:
         if not event.query():
             self._on_overdue(spec)
 
-    def _shutdown_dispatcher(self) -> None:
-        """Stop the dispatch thread if it is the handler's own (a shared one is its owner's)."""
-        if self._owns_dispatcher:
-            self._dispatch.shutdown()
+    def run_later(self, work: Callable[[], object]) -> None:
+        """Queue ``work`` on this handler's thread after the transfers queued now
+        (housekeeping: removing bad blocks). Its errors are dropped: best effort."""
+
+        def job() -> tuple[()]:
+            with contextlib.suppress(Exception):
+                work()
+            return ()
+
+        if not self.closed:
+            self._dispatch.submit(job, DispatchEvent())
+
+    # ------------------------------------------------------------------- close
+    def _close_timeout(self) -> float | None:
+        return self.io_timeout
+
+    def _on_abandon(self, abandoned: int) -> None:
+        self.abandoned += abandoned
+        if self._on_abandon_cb is not None:
+            self._on_abandon_cb(abandoned)
+
+    async def _close_backend(self) -> None:
+        # A thread stuck in a job is left to finish alone (it takes no new job).
+        self._dispatch.shutdown(wait=not self.abandoned)
+
+
+def _run(io: Callable[[BlockJob], None], job: BlockJob) -> tuple[()]:
+    """One transfer on the dispatch thread: the store's call, then its verdict.
+
+    A store that raises before deciding every block leaves the rest failed
+    with its error (``IO_ERROR``); a transfer with any failed block fails
+    with the first error (its good blocks are still good).
+    """
+    outcomes = job.outcomes
+    try:
+        io(job)
+    except Exception as exc:
+        outcomes.fail_rest(Outcome.IO_ERROR, exc)
+    if outcomes.error is not None:
+        raise outcomes.error
+    return ()

@@ -159,13 +159,17 @@ class DispatchThread:
             self._execute(job, inline=True)
             ran = True
 
-    def shutdown(self) -> None:
-        """Stop the thread once the queue is empty, and join it."""
+    def shutdown(self, *, wait: bool = True) -> None:
+        """Stop the thread once the queue is empty, and join it (``wait``).
+
+        ``wait=False`` leaves a thread stuck in a job (a hung disk) to finish
+        and exit alone: it is a daemon, and takes no new jobs.
+        """
         with self._cond:
             self._shutdown = True
             thread = self._thread
             self._cond.notify()
-        if thread is not None and thread is not threading.current_thread():
+        if wait and thread is not None and thread is not threading.current_thread():
             thread.join()
 
     def _run(self) -> None:

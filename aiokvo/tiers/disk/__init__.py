@@ -1,9 +1,11 @@
 """The local disk tier: slabs of checksummed blocks under a layout-fingerprint directory.
 
-``DiskTier`` is what the Offloader is handed; ``DiskTierConfig`` its settings
-(also from ``OffloadConfig.from_dict``); the pure core is
-:mod:`aiokvo.tiers.disk.state` (importable without asyncio or torch, like
-the rest of the pure part: ``config``, ``spec``). See docs/tiers.md.
+``DiskTier(...)`` makes what the Offloader is handed (a
+:class:`~aiokvo.tiers.engine.StoreTier` over a
+:class:`~aiokvo.tiers.disk.store.DiskStore`); ``DiskTierConfig`` is its
+settings (also from ``OffloadConfig.from_dict``). The pure parts (``config``,
+``spec``, and the :class:`~aiokvo.tiers.slot_index.SlotIndex` it places
+blocks with) import without asyncio or torch. See docs/tiers.md.
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ from aiokvo.tiers.disk.spec import DiskLoadStoreSpec
 
 if TYPE_CHECKING:
     from aiokvo.tiers.disk.files import FileIO
-    from aiokvo.tiers.disk.tier import DiskTier, DiskTierStatistics
+    from aiokvo.tiers.disk.store import DiskStore, DiskTierStatistics
+    from aiokvo.tiers.disk.tier import DiskTier
 
-__all__ = ["DiskLoadStoreSpec", "DiskTier", "DiskTierConfig", "DiskTierStatistics", "FileIO"]
+__all__ = [
+    "DiskLoadStoreSpec", "DiskStore", "DiskTier", "DiskTierConfig", "DiskTierStatistics", "FileIO",
+]  # fmt: skip
 
 _LAZY = {
+    "DiskStore": "aiokvo.tiers.disk.store",
     "DiskTier": "aiokvo.tiers.disk.tier",
-    "DiskTierStatistics": "aiokvo.tiers.disk.tier",
+    "DiskTierStatistics": "aiokvo.tiers.disk.store",
     "FileIO": "aiokvo.tiers.disk.files",
 }
 

@@ -21,7 +21,6 @@ releases the GIL).
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import xxhash
@@ -37,7 +36,6 @@ __all__ = [
     "MAX_KEY_BYTES",
     "Entry",
     "SlabGeometry",
-    "checksum",
     "entry_offset",
     "pack_entry",
     "unpack_entry",
@@ -134,14 +132,6 @@ def unpack_entry(raw: bytes | memoryview) -> Entry | bool | None:
     if generation < 1 or algo != ALGO_XXH3_64 or key_len > MAX_KEY_BYTES:
         return False
     return Entry(key[:key_len], checksum_, generation, payload)
-
-
-def checksum(buffers: Iterable[object]) -> int:
-    """xxh3-64 over ``buffers`` in order, as if they were one (GIL released per buffer)."""
-    hasher = xxhash.xxh3_64()
-    for buffer in buffers:
-        hasher.update(buffer)  # type: ignore[arg-type]
-    return hasher.intdigest()
 
 
 def _round_up(n: int, to: int) -> int:

@@ -40,8 +40,7 @@ from aiokvo.tiers.disk.format import (
     pack_entry,
     unpack_entry,
 )
-from aiokvo.tiers.disk.spec import BlockLocation
-from aiokvo.tiers.disk.state import AdoptedEntry
+from aiokvo.tiers.slot_index import AdoptedEntry, BlockLocation
 
 __all__ = ["OpenedSlab", "Refresh", "SlabDirectory", "SlabFiles"]
 

@@ -1,12 +1,14 @@
 """The distributed tier on Mooncake Store: engine replicas on many machines share blocks.
 
-``MooncakeTier`` is what the Offloader is handed; ``MooncakeTierConfig`` its
-settings (also from ``OffloadConfig.from_dict``). The pure parts
-(``config``, ``spec``, ``state``) import without asyncio, torch or Mooncake;
+``MooncakeTier(...)`` makes what the Offloader is handed (a
+:class:`~aiokvo.tiers.engine.StoreTier` over a
+:class:`~aiokvo.tiers.mooncake.store.MooncakeStore`); ``MooncakeTierConfig``
+is its settings (also from ``OffloadConfig.from_dict``). The pure parts
+(``config``, ``spec``) import without asyncio, torch or Mooncake;
 Mooncake itself (``pip install 'aiokvo[mooncake]'``) loads only when a tier
-connects. ``FakeMooncakeCluster`` stands in for a cluster in tests, and
-``LocalCluster`` starts a real throwaway one on loopback (tests, the demo).
-See docs/tiers.md.
+connects. For tests, :mod:`aiokvo.testing` has ``FakeMooncakeCluster`` (an
+in-process stand-in) and ``LocalCluster`` (a real throwaway cluster on
+loopback). See docs/tiers.md.
 """
 
 from __future__ import annotations
@@ -18,27 +20,22 @@ from aiokvo.tiers.mooncake.config import MooncakeTierConfig
 from aiokvo.tiers.mooncake.spec import MOONCAKE_MEDIUM, MooncakeLoadStoreSpec
 
 if TYPE_CHECKING:
-    from aiokvo.tiers.mooncake.fake import FakeMooncakeCluster, FakeMooncakeStore
-    from aiokvo.tiers.mooncake.local import LocalCluster
-    from aiokvo.tiers.mooncake.tier import MooncakeTier, MooncakeTierStatistics
+    from aiokvo.tiers.mooncake.store import MooncakeStore, MooncakeTierStatistics
+    from aiokvo.tiers.mooncake.tier import MooncakeTier
 
 __all__ = [
     "MOONCAKE_MEDIUM",
-    "FakeMooncakeCluster",
-    "FakeMooncakeStore",
-    "LocalCluster",
     "MooncakeLoadStoreSpec",
+    "MooncakeStore",
     "MooncakeTier",
     "MooncakeTierConfig",
     "MooncakeTierStatistics",
 ]
 
 _LAZY = {
-    "FakeMooncakeCluster": "aiokvo.tiers.mooncake.fake",
-    "FakeMooncakeStore": "aiokvo.tiers.mooncake.fake",
-    "LocalCluster": "aiokvo.tiers.mooncake.local",
+    "MooncakeStore": "aiokvo.tiers.mooncake.store",
     "MooncakeTier": "aiokvo.tiers.mooncake.tier",
-    "MooncakeTierStatistics": "aiokvo.tiers.mooncake.tier",
+    "MooncakeTierStatistics": "aiokvo.tiers.mooncake.store",
 }
 
 

@@ -19,7 +19,7 @@ This wrapper is what the tier's threads call instead:
   environment already has them.
 
 ``store_factory`` makes the store (default: ``mooncake.store.MooncakeDistributedStore``);
-:class:`~aiokvo.tiers.mooncake.fake.FakeMooncakeStore` stands in for tests.
+:class:`~aiokvo.testing.mooncake_fake.FakeMooncakeStore` stands in for tests.
 """
 
 from __future__ import annotations

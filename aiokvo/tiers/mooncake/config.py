@@ -10,13 +10,13 @@ Mooncake's ``setup()`` takes; docs/tiers.md describes every knob.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, ClassVar
 
-from aiokvo._settings import check_seconds, settings_from_dict
+from aiokvo._settings import check_seconds
 from aiokvo._util import check_int, check_text
 from aiokvo.errors import ConfigError
+from aiokvo.tiers.settings import MAX_BYTES, TierSettings
 
 if TYPE_CHECKING:
     from aiokvo.tiers.base import Tier
@@ -46,104 +46,91 @@ class SetupSettings:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class MooncakeTierConfig:
-    """Settings of one Mooncake tier (see docs/tiers.md, "Mooncake knobs").
-
-    Connecting (Mooncake's ``setup()``): ``master_server_addr`` is the
-    master's ``host:port``; ``metadata_server`` ``"P2PHANDSHAKE"`` (nothing to
-    run), the master's ``http://host:port/metadata`` or an etcd/redis URL;
-    ``local_hostname`` the address peers reach this process on (None: the
-    local address the master is routed through); ``protocol`` ``"tcp"`` or
-    ``"rdma"`` (with ``rdma_devices``); ``global_segment_size`` bytes of this
-    process's memory lent to the cluster (0: a pure client, storage lives on
-    other nodes); ``local_buffer_size`` Mooncake's staging buffer (the tier's
-    zero-copy calls do not use it); ``tenant_id``, ``enable_ssd_offload``,
-    ``ssd_offload_path``, ``enable_client_http_server``, ``client_http_port``
-    as Mooncake documents them.
-
-    Placement: ``replica_num`` copies of each block (on distinct segments),
-    ``preferred_segment`` a segment name to place them on first.
-
-    Naming: objects are ``key_prefix/<layout fingerprint>/<key>``;
-    ``model_id`` and ``dtype`` (default: the engine tensors') are part of
-    the fingerprint.
-
-    Liveness: ``io_timeout`` seconds per transfer, ``lookup_timeout`` per
-    lookup, ``setup_timeout`` per connection attempt; ``rpc_timeout``
-    (default ``io_timeout``) and ``setup_retries`` are Mooncake's own RPC
-    deadline and setup retry count (``MC_RPC_TIMEOUT_MS``,
-    ``MC_STORE_CLIENT_SETUP_RETRIES``; a value already in the environment
-    wins); ``failure_threshold`` failures in a row open the breaker for
-    ``reset_after`` seconds, doubling up to ``max_reset_after`` while trials
-    fail.
-
-    Caching what it learnt: ``negative_ttl`` seconds a block whose get failed
-    after the cluster said it exists is treated as absent; ``index_ttl``
-    seconds a block seen in the cluster is not written again;
-    ``max_tracked`` bounds the index, the negative cache and the admission
-    counts. ``admit_after`` offers before a block is written;
-    ``max_write_blocks`` CPU blocks pinned by writes in flight at most
-    (default half the pool).
-
-    Throughput: ``checksum_threads`` threads compute (before a put) and
-    verify (after a get) a transfer's checksums together; with
-    ``pipeline_bytes`` a larger transfer is split into batch calls of about
-    that size, each overlapped with the next one's checksums (default None:
-    one call per transfer, which measured best on a 2-core host;
-    benchmarks/RESULTS.md). With ``row_trailers`` (default) the tier asks the
-    Offloader for room after every CPU-pool row and keeps each block's trailer
-    there, so a block of one canonical tensor goes out and in as one buffer
-    (Mooncake's TCP transport pays per buffer); the room costs a row's stride
-    rounded up to a page (rows of whole pages) or to 64 bytes, and the tier
-    asks only where that is at most 1/64 of a row. False: trailers in a
-    separate arena, one more buffer per block. The objects are the same
-    bytes either way.
-    """
+class MooncakeTierConfig(TierSettings):
+    """A Mooncake tier's settings: :class:`~aiokvo.tiers.settings.TierSettings` and its
+    own (docs/tiers.md, "Mooncake knobs"). The first group is what Mooncake's
+    ``setup()`` takes."""
 
     master_server_addr: str
-    model_id: str
+    """The master's ``host:port``."""
     metadata_server: str = "P2PHANDSHAKE"
+    """``"P2PHANDSHAKE"`` (nothing to run), the master's ``http://host:port/metadata``,
+    or an etcd/redis URL."""
     local_hostname: str | None = None
+    """The address peers reach this process on (None: the local address the master is
+    routed through)."""
     protocol: str = "tcp"
+    """``"tcp"`` or ``"rdma"`` (with ``rdma_devices``)."""
     rdma_devices: str = ""
+    """RDMA devices, as Mooncake takes them."""
     global_segment_size: int = 0
+    """Bytes of this process's memory lent to the cluster (0: a pure client)."""
     local_buffer_size: int = 16 << 20
+    """Mooncake's staging buffer (the tier's zero-copy calls do not use it)."""
     tenant_id: str = "default"
+    """Mooncake's tenant: clusters shared by deployments keep them apart by it."""
     enable_ssd_offload: bool = False
+    """Mooncake's own SSD offload (as Mooncake documents it)."""
     ssd_offload_path: str = ""
+    """Where Mooncake's SSD offload keeps its files."""
     enable_client_http_server: bool = False
+    """Mooncake's client HTTP server."""
     client_http_port: int = 9300
+    """Its port."""
     replica_num: int = 1
+    """Copies of each block, on distinct segments."""
     preferred_segment: str | None = None
+    """A segment to place them on first."""
     key_prefix: str = "aiokvo"
-    dtype: str | None = None
-    admit_after: int = 1
+    """Objects are ``key_prefix/<layout fingerprint>/<key>``: deployments sharing a
+    cluster keep apart by it."""
     io_timeout: float = 5.0
     lookup_timeout: float = 1.0
+    """Seconds one lookup (``batch_is_exist``) may take."""
     setup_timeout: float = 30.0
+    """Seconds one connection attempt may take."""
     rpc_timeout: float | None = None
+    """Mooncake's own RPC deadline (``MC_RPC_TIMEOUT_MS``; None: ``io_timeout``; a value
+    already in the environment wins)."""
     setup_retries: int = 1
-    failure_threshold: int = 3
+    """Mooncake's setup retries (``MC_STORE_CLIENT_SETUP_RETRIES``)."""
     reset_after: float = 1.0
     max_reset_after: float = 30.0
     negative_ttl: float = 10.0
+    """Seconds a block whose read failed after the cluster said it exists is taken
+    as absent."""
     index_ttl: float = 10.0
-    max_tracked: int = 64_000
-    max_write_blocks: int | None = None
+    """Seconds a block seen in the cluster is not written again."""
     pipeline_bytes: int | None = None
+    """Split a larger transfer into calls of about this size, each overlapped with the
+    next one's checksums (None: one call per transfer, which measured best on a
+    2-core host; benchmarks/RESULTS.md)."""
     checksum_threads: int = 2
+    """Threads that compute (before a put) and verify (after a get) a transfer's
+    checksums together."""
     row_trailers: bool = True
+    """Keep each block's trailer in room after its CPU-pool row, so a one-tensor block
+    is one buffer (Mooncake's TCP transport pays per buffer); asked for only where
+    the room costs at most 1/64 of a row. False: a separate arena. The objects are
+    the same bytes either way."""
 
-    kind = "mooncake"
+    kind: ClassVar[str] = "mooncake"
+    _ints: ClassVar[tuple[str, ...]] = (
+        "global_segment_size", "local_buffer_size", "client_http_port", "replica_num",
+        "setup_retries", "pipeline_bytes", "checksum_threads",
+    )  # fmt: skip
+    _seconds: ClassVar[tuple[str, ...]] = (
+        "lookup_timeout", "setup_timeout", "rpc_timeout", "negative_ttl", "index_ttl",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
-        address = self.master_server_addr
-        if not isinstance(address, str) or not _ADDRESS.fullmatch(address):
-            raise ConfigError(f"master_server_addr must be 'host:port', got {address!r}")
-        check_text("model_id", self.model_id, printable=True)
+        TierSettings.__post_init__(self)
+        check_address("master_server_addr", self.master_server_addr)
         check_text("metadata_server", self.metadata_server, printable=True)
+        if "://" in self.metadata_server:
+            check_url_port("metadata_server", self.metadata_server)
         check_text("tenant_id", self.tenant_id, printable=True)
-        for name in ("local_hostname", "dtype", "preferred_segment"):
+        for name in ("local_hostname", "preferred_segment"):
             value = getattr(self, name)
             if value is not None:
                 check_text(name, value, printable=True)
@@ -167,32 +154,23 @@ class MooncakeTierConfig:
                 f"leading or trailing '/', got {prefix!r}"
             )
         for name, minimum, maximum in (
-            ("global_segment_size", 0, None),
-            ("local_buffer_size", 0, None),
+            ("global_segment_size", 0, MAX_BYTES),
+            ("local_buffer_size", 0, MAX_BYTES),
             ("client_http_port", 1, 65535),
             ("replica_num", 1, 64),
-            ("admit_after", 1, None),
             ("setup_retries", 1, 1000),
-            ("failure_threshold", 1, None),
-            ("max_tracked", 1, None),
             ("checksum_threads", 1, 64),
         ):
-            value = check_int(name, getattr(self, name), minimum=minimum, maximum=maximum)
-            object.__setattr__(self, name, value)
-        for name in ("io_timeout", "lookup_timeout", "setup_timeout", "reset_after",
-                     "max_reset_after", "negative_ttl", "index_ttl"):  # fmt: skip
-            object.__setattr__(self, name, check_seconds(name, getattr(self, name)))
+            self._set(name, check_int(name, getattr(self, name), minimum=minimum,
+                                      maximum=maximum))  # fmt: skip
+        for name in ("lookup_timeout", "setup_timeout", "negative_ttl", "index_ttl"):
+            self._set(name, check_seconds(name, getattr(self, name)))
         if self.rpc_timeout is not None:
-            object.__setattr__(self, "rpc_timeout", check_seconds("rpc_timeout", self.rpc_timeout))
-        if self.max_reset_after < self.reset_after:
-            raise ConfigError(
-                f"max_reset_after={self.max_reset_after!r} is below "
-                f"reset_after={self.reset_after!r}"
-            )
-        for name in ("max_write_blocks", "pipeline_bytes"):
-            value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, check_int(name, value, minimum=1))
+            self._set("rpc_timeout", check_seconds("rpc_timeout", self.rpc_timeout))
+        if self.pipeline_bytes is not None:
+            self._set("pipeline_bytes",
+                      check_int("pipeline_bytes", self.pipeline_bytes, minimum=1,
+                                maximum=MAX_BYTES))  # fmt: skip
 
     @property
     def effective_rpc_timeout(self) -> float:
@@ -216,29 +194,30 @@ class MooncakeTierConfig:
             client_http_port=self.client_http_port,
         )
 
-    @classmethod
-    def from_dict(cls, settings: Mapping[str, Any]) -> MooncakeTierConfig:
-        """From a JSON-style mapping (``kind`` may be present); unknown keys are errors.
-
-        Integers and seconds may be numeric strings, as in vLLM's extra config.
-        """
-        return settings_from_dict(
-            cls, settings, "Mooncake tier", ints=_INT_FIELDS, seconds=_SECONDS_FIELDS
-        )
-
     def build(self) -> Tier:
-        """A :class:`~aiokvo.tiers.mooncake.MooncakeTier` with these settings."""
-        from aiokvo.tiers.mooncake.tier import MooncakeTier
+        """A Mooncake tier with these settings."""
+        from aiokvo.tiers.mooncake.tier import mooncake_tier
 
-        return MooncakeTier.from_config(self)
+        return mooncake_tier(self)
 
 
-_INT_FIELDS = (
-    "global_segment_size", "local_buffer_size", "client_http_port", "replica_num",
-    "admit_after", "setup_retries", "failure_threshold", "max_tracked", "max_write_blocks",
-    "pipeline_bytes", "checksum_threads",
-)  # fmt: skip
-_SECONDS_FIELDS = (
-    "io_timeout", "lookup_timeout", "setup_timeout", "rpc_timeout", "reset_after",
-    "max_reset_after", "negative_ttl", "index_ttl",
-)  # fmt: skip
+def check_address(name: str, address: object) -> str:
+    """``address`` if it is ``host:port`` (or ``[v6]:port``) with a port in 1..65535."""
+    if not isinstance(address, str) or not _ADDRESS.fullmatch(address):
+        raise ConfigError(f"{name} must be 'host:port', got {address!r}")
+    port = int(address.rpartition(":")[2])
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{name} has port {port}, outside 1..65535: got {address!r}")
+    return address
+
+
+def check_url_port(name: str, url: str) -> None:
+    """A ConfigError if ``url`` names a port outside 1..65535."""
+    from urllib.parse import urlsplit
+
+    try:
+        port = urlsplit(url).port
+    except ValueError as exc:
+        raise ConfigError(f"{name} has a bad port ({exc}): got {url!r}") from None
+    if port == 0:
+        raise ConfigError(f"{name} has port 0, outside 1..65535: got {url!r}")

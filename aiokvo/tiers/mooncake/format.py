@@ -40,7 +40,7 @@ import numpy as np
 import xxhash
 
 from aiokvo.keys import OffloadKey
-from aiokvo.tiers.mooncake.spec import BlockStatus
+from aiokvo.tiers.outcome import Outcome
 
 __all__ = [
     "MAGIC",
@@ -50,9 +50,8 @@ __all__ = [
     "object_name",
     "open_trailers",
     "pack_trailer",
-    "payload_checksum",
+    "outcome_of_code",
     "seal_trailers",
-    "status_of_code",
 ]
 
 MAGIC = b"AIOKVOMC"
@@ -65,16 +64,6 @@ _SEALED = TRAILER_BYTES - 8
 def object_name(prefix: str, namespace: str, key: OffloadKey) -> str:
     """The cluster object holding ``key``'s block."""
     return f"{prefix}/{namespace}/{key.hex()}"
-
-
-def payload_checksum(buffers: Sequence[object]) -> int:
-    """xxh3-64 over ``buffers`` in order, as if they were one."""
-    if len(buffers) == 1:
-        return xxhash.xxh3_64_intdigest(buffers[0])  # type: ignore[arg-type]
-    hasher = xxhash.xxh3_64()
-    for buffer in buffers:
-        hasher.update(buffer)  # type: ignore[arg-type]
-    return hasher.intdigest()
 
 
 def key_digest(key: OffloadKey) -> int:
@@ -169,18 +158,20 @@ RPC_FAIL = -900
 RPC_TIMEOUT = -901
 INTERNAL_ERROR = -1
 
-_STATUS = {
-    NO_AVAILABLE_HANDLE: BlockStatus.NO_SPACE,
-    INVALID_PARAMS: BlockStatus.SIZE_MISMATCH,
-    OBJECT_NOT_FOUND: BlockStatus.NOT_FOUND,
-    LEASE_EXPIRED: BlockStatus.LEASE_EXPIRED,
-    TRANSFER_FAIL: BlockStatus.TRANSFER_FAILED,
-    RPC_FAIL: BlockStatus.RPC_FAILED,
-    RPC_TIMEOUT: BlockStatus.RPC_FAILED,
-    INTERNAL_ERROR: BlockStatus.RPC_FAILED,
+_OUTCOMES: dict[int, tuple[Outcome, str]] = {
+    NO_AVAILABLE_HANDLE: (Outcome.MISSING, "pool_full"),
+    INVALID_PARAMS: (Outcome.CORRUPT, "size_mismatch"),
+    OBJECT_NOT_FOUND: (Outcome.MISSING, "not_found"),
+    LEASE_EXPIRED: (Outcome.STALE, "lease_expired"),
+    TRANSFER_FAIL: (Outcome.MISSING, "transfer_failed"),
+    RPC_FAIL: (Outcome.IO_ERROR, "rpc_failed"),
+    RPC_TIMEOUT: (Outcome.IO_ERROR, "rpc_failed"),
+    INTERNAL_ERROR: (Outcome.IO_ERROR, "rpc_failed"),
 }
 
 
-def status_of_code(code: int) -> BlockStatus:
-    """What a negative Mooncake return code means for one block."""
-    return _STATUS.get(code, BlockStatus.ERROR)
+def outcome_of_code(code: int) -> tuple[Outcome, str]:
+    """What a negative Mooncake return code means for one block: the outcome, and the
+    cause it is counted under (``-200``, no room in the cluster, is a block not
+    written, not a failing cluster; ``-800``, its segment unreachable, a miss)."""
+    return _OUTCOMES.get(code, (Outcome.IO_ERROR, "error"))

@@ -9,7 +9,7 @@ from typing import Any
 
 from aiokvo import Offloader
 from aiokvo.tiers.mooncake import MooncakeTier
-from aiokvo.tiers.mooncake.fake import FakeMooncakeCluster
+from aiokvo.testing.mooncake_fake import FakeMooncakeCluster
 from aiokvo.tiers.mooncake.tier import MooncakeTierStatistics
 from tests.offloader._harness import KV
 

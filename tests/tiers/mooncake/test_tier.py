@@ -14,7 +14,7 @@ import pytest
 
 from aiokvo import Offloader
 from aiokvo.specs import OffloadingEvent, ReqContext
-from aiokvo.tiers.mooncake.fake import FakeMooncakeCluster
+from aiokvo.testing.mooncake_fake import FakeMooncakeCluster
 from aiokvo.tiers.mooncake.format import TRAILER_BYTES, pack_trailer
 from tests.offloader._harness import KV, PAGE, keys
 from tests.tiers.mooncake._support import eventually, fake_tier, mooncake_stats, replica

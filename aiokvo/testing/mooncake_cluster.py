@@ -1,7 +1,7 @@
 """``LocalCluster``: a throwaway Mooncake cluster on loopback, for tests and the demo.
 
 One ``mooncake_master`` (the binary inside the ``mooncake`` package) and
-``nodes`` storage nodes (:mod:`aiokvo.tiers.mooncake.node`, one process
+``nodes`` storage nodes (:mod:`aiokvo.testing.mooncake_node`, one process
 each), everything on 127.0.0.1 and on free ports from the kernel's ephemeral
 range, so several clusters run side by side and none collides with
 Mooncake's fixed defaults (50051, 8080, 9003) or the ports its clients pick
@@ -315,7 +315,7 @@ class LocalCluster:
         try:
             process = subprocess.Popen(
                 [
-                    self.python, "-m", "aiokvo.tiers.mooncake.node",
+                    self.python, "-m", "aiokvo.testing.mooncake_node",
                     "--master", self.master_server_addr, "--metadata", self.metadata_server,
                     "--segment-size", str(size), "--die-with-parent", str(os.getpid()),
                 ],

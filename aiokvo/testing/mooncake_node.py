@@ -1,6 +1,6 @@
 """A Mooncake storage node: a process that lends memory to the cluster and holds objects.
 
-Run: ``python -m aiokvo.tiers.mooncake.node --master HOST:PORT --segment-size BYTES``
+Run: ``python -m aiokvo.testing.mooncake_node --master HOST:PORT --segment-size BYTES``
 (``--metadata`` ``P2PHANDSHAKE`` by default, ``--hostname`` the address peers
 dial). It calls Mooncake's ``setup()`` with a global segment of that size,
 prints ``READY <segment name>`` on stdout once the segment is mounted at the
@@ -8,7 +8,7 @@ master, and serves until SIGTERM or SIGINT, when it closes the store (its
 objects leave the cluster with it). A failed ``setup()`` prints
 ``SETUP_FAILED <code>`` and exits 2.
 
-:class:`~aiokvo.tiers.mooncake.local.LocalCluster` starts these for tests
+:class:`~aiokvo.testing.mooncake_cluster.LocalCluster` starts these for tests
 and the demo; on a real cluster, a host that lends memory runs one (or
 Mooncake's own ``mooncake_client``), see docs/tiers.md.
 

@@ -13,7 +13,7 @@ corrupted in place, codes returned for chosen names.
 
 ``FakeMooncakeCluster.store`` is a ``store_factory`` for
 :class:`~aiokvo.tiers.mooncake.MooncakeTier`. The real cluster runs in the
-suite too (:mod:`aiokvo.tiers.mooncake.local`).
+suite too (:mod:`aiokvo.testing.mooncake_cluster`).
 """
 
 from __future__ import annotations
