@@ -65,8 +65,8 @@ from aiokvo import (
     OffloadKey,
     make_offload_key,
 )
-from aiokvo.tiers import DiskTier, MooncakeTier, Tier
 from aiokvo.testing import LocalCluster
+from aiokvo.tiers import DiskTier, MooncakeTier, Tier
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -93,7 +93,7 @@ def require_mooncake() -> None:
 
 
 class ClusterFactory:
-    """Starts :class:`~aiokvo.testing.mooncake_cluster.LocalCluster`\\ s for one test; stops them all.
+    """Starts :class:`~aiokvo.testing.LocalCluster`\\ s for one test; stops them all.
 
     ``setenv`` applies a cluster's :attr:`client_env
     <aiokvo.testing.mooncake_cluster.LocalCluster.client_env>` to this process
