@@ -7,9 +7,13 @@ argument and shows the value, before any state changes.
 
 from __future__ import annotations
 
+import ast
 import importlib
+import inspect
+import itertools
 import operator
 import re
+import textwrap
 from collections.abc import Collection, Mapping, MutableMapping
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -137,3 +141,37 @@ def lazy_export(namespace: MutableMapping[str, Any], where: Mapping[str, str], n
     value = getattr(importlib.import_module(module), name)
     namespace[name] = value
     return value
+
+
+_FIELD_DOCS: dict[type, dict[str, str]] = {}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The one-line docstrings written under a (data)class's fields, by field name,
+    base classes' included (a subclass's own win). Read from the source, once:
+    snapshots document each field where it is declared, and exporters reuse it
+    as help text rather than a second copy that would drift."""
+    cached = _FIELD_DOCS.get(cls)
+    if cached is not None:
+        return cached
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is object:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, after in itertools.pairwise(body):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    _FIELD_DOCS[cls] = docs
+    return docs
+

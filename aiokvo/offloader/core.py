@@ -449,9 +449,19 @@ class Offloader(AsyncResource):
         await asyncio.shield(self._close_task)
 
     async def _close(self) -> None:
-        # Tier writes started by the last stores are copies too: wait for them all.
+        # Tier writes started by the last stores are copies too: wait for them all, but
+        # a tier's for no longer than its deadline (a hung disk or server must not hang
+        # shutdown: the tier's handlers then abandon what is still stuck, and count it).
         while self._copies:
-            await asyncio.wait([copy.ended() for copy in self._copies.values()])
+            copies = list(self._copies.values())
+            memory = [copy.ended() for copy in copies if copy.patience is None]
+            if memory:  # GPU <-> CPU copies always end: the GPU blocks depend on it
+                await asyncio.wait(memory)
+                continue
+            deadline = max(copy.patience or 0.0 for copy in copies)
+            _, pending = await asyncio.wait([copy.ended() for copy in copies], timeout=deadline)
+            if pending:
+                break
         for lease in list(self._leases):
             lease.release()
         try:
@@ -498,14 +508,8 @@ class Offloader(AsyncResource):
             cancelled_waits=self._cancelled_waits,
             closed=self._closing,
             hits_by_medium=self._hits_by_medium(),
-            promotions=0 if tiers is None else tiers.promotions,
-            promoted_blocks=0 if tiers is None else tiers.promoted_blocks,
-            promotion_failures=0 if tiers is None else tiers.promotion_failures,
             promotion_timeouts=0 if tiers is None else tiers.promotion_timeouts,
             promotions_no_room=0 if tiers is None else tiers.promotions_no_room,
-            tier_writes=0 if tiers is None else tiers.writes,
-            tier_write_blocks=0 if tiers is None else tiers.write_blocks,
-            tier_write_failures=0 if tiers is None else tiers.write_failures,
             tier_writes_skipped=0 if tiers is None else tiers.writes_skipped,
             tiers=() if tiers is None else tiers.statistics(),
             manager=self._manager.statistics(),

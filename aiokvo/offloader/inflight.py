@@ -28,7 +28,8 @@ class InFlight:
         self.caller: asyncio.Future[TransferResult] = loop.create_future()
         self._ended: asyncio.Future[TransferResult] | None = None
         self._result: TransferResult | None = None  # once finished
-        # How long anyone but its caller waits for it (a tier's deadline; None: until it ends).
+        # How long anyone but its caller waits for it: a tier transfer's deadline (None:
+        # until it ends, as a GPU <-> CPU copy always does).
         self.patience: float | None = None
 
     def ended(self) -> asyncio.Future[TransferResult]:

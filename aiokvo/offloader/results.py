@@ -40,91 +40,87 @@ class StoreResult:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OffloaderStatistics:
-    """An Offloader's counters since it was made, its work in flight, and its parts.
+    """An Offloader's own counters, its work in flight, and its parts' snapshots.
 
-    Counted by the Offloader itself (keys are counted once per call that
-    named them):
-
-    * loads: ``loads`` ``load_prefix`` calls; ``leases`` ``pin_prefix`` calls
-      that pinned something (``active_leases`` still hold pins);
-      ``hit_blocks`` keys found ready and pinned by either, ``miss_blocks``
-      keys ``load_prefix`` asked for past the ready prefix; ``blocks_loaded``
-      and ``blocks_load_failed`` keys whose copy succeeded or failed;
-      ``store_waits`` times a load waited for a store of its prefix in flight,
-      ``polled_waits`` times it had to poll for a store the Offloader did not
-      make (one started by hand on the manager);
-    * stores: ``stores`` ``store`` calls, ``stores_refused`` of them found no
-      room; ``blocks_stored``, ``blocks_skipped``, ``blocks_evicted`` and
-      ``blocks_store_failed`` add up the calls' :class:`StoreResult` fields;
-    * transfers each way: ``load_transfers`` / ``store_transfers`` copies
-      finished, ``load_transfer_failures`` / ``store_transfer_failures`` of
-      them failed, ``load_bytes`` / ``store_bytes`` and ``load_seconds`` /
-      ``store_seconds`` of the successful ones (bytes and copy time, from
-      their :class:`~aiokvo.TransferResult`);
-    * now: ``loads_in_flight``, ``stores_in_flight`` (copies not finished),
-      ``writing_keys`` (keys those stores are writing) and ``waiters``
-      (coroutines waiting in ``ready`` or for a store in ``load_prefix``);
-      ``cancelled_waits`` counts calls cancelled while their copy went on;
-    * ``closed`` once ``aclose()`` began;
-    * tiers: ``hits_by_medium`` splits ``hit_blocks`` by where the block was
-      found (``"CPU"``, and each tier's medium for blocks it promoted);
-      ``promotions`` tier-to-CPU transfers, ``promoted_blocks`` and
-      ``promotion_failures`` blocks that came back good or not,
-      ``promotion_timeouts`` promotions a load stopped waiting for (past
-      their tier's ``io_timeout``), ``promotions_no_room`` promotions not
-      started because the CPU pool had no room left for them once the tier
-      had answered (the load's prefix ends there); ``tier_writes``
-      write-through transfers, ``tier_write_blocks`` /
-      ``tier_write_failures`` blocks written or not (block by block, as the
-      tier counts them: a transfer failing part way counts both),
-      ``tier_writes_skipped`` blocks not written because a tier's writes in
-      flight already pinned its share of the pool; ``tiers`` each tier's
-      own snapshot, top first.
-
-    ``manager``, ``worker`` (with every handler) and ``poller`` (None before
-    the first copy) are the parts' own snapshots, taken at the same moment.
+    The Offloader counts only what only it knows (calls, waits, leases, where
+    hits came from); each part counts its own work once: the CPU pool in
+    ``manager``, the copies in ``worker`` (every handler), each tier's reads,
+    writes and failures in ``tiers``. Keys are counted once per call that
+    named them.
     """
 
     loads: int = 0
+    """``load_prefix`` calls."""
     leases: int = 0
+    """``pin_prefix`` calls that pinned something."""
     active_leases: int = 0
+    """Leases holding pins now."""
     hit_blocks: int = 0
+    """Keys found ready and pinned by a load or a lease (from any tier)."""
     miss_blocks: int = 0
+    """Keys ``load_prefix`` asked for past the ready prefix."""
     blocks_loaded: int = 0
+    """Keys whose copy to the GPU succeeded."""
     blocks_load_failed: int = 0
+    """Keys whose copy to the GPU failed."""
     store_waits: int = 0
+    """Times a load waited for a store of its prefix in flight."""
     polled_waits: int = 0
+    """Times a load polled for a store the Offloader did not make (one made by hand)."""
     stores: int = 0
+    """``store`` calls."""
     stores_refused: int = 0
+    """``store`` calls that found no room in the pool."""
     blocks_stored: int = 0
+    """Keys stored (the calls' ``StoreResult.stored``)."""
     blocks_skipped: int = 0
+    """Keys skipped (``StoreResult.skipped``)."""
     blocks_evicted: int = 0
+    """Keys evicted to make room (``StoreResult.evicted``)."""
     blocks_store_failed: int = 0
+    """Keys whose store failed (``StoreResult.failed``)."""
     load_transfers: int = 0
+    """Copies to the GPU finished."""
     load_transfer_failures: int = 0
+    """Copies to the GPU that failed."""
     load_bytes: int = 0
+    """Bytes of the successful copies to the GPU."""
     load_seconds: float = 0.0
+    """Copy time of the successful copies to the GPU, summed."""
     store_transfers: int = 0
+    """Copies from the GPU finished."""
     store_transfer_failures: int = 0
+    """Copies from the GPU that failed."""
     store_bytes: int = 0
+    """Bytes of the successful copies from the GPU."""
     store_seconds: float = 0.0
+    """Copy time of the successful copies from the GPU, summed."""
     loads_in_flight: int = 0
+    """Copies to the GPU not finished now."""
     stores_in_flight: int = 0
+    """Copies from the GPU not finished now."""
     writing_keys: int = 0
+    """Keys those stores are writing now."""
     waiters: int = 0
+    """Coroutines waiting now in ``ready`` or for a store in ``load_prefix``."""
     cancelled_waits: int = 0
+    """Calls cancelled while their copy went on."""
     closed: bool = False
+    """``aclose()`` has begun."""
     hits_by_medium: dict[str, int] = field(default_factory=dict)
-    promotions: int = 0
-    promoted_blocks: int = 0
-    promotion_failures: int = 0
+    """``hit_blocks`` by where the block was found: ``"CPU"``, or the tier that promoted it."""
     promotion_timeouts: int = 0
+    """Promotions a load stopped waiting for, past their tier's ``io_timeout``."""
     promotions_no_room: int = 0
-    tier_writes: int = 0
-    tier_write_blocks: int = 0
-    tier_write_failures: int = 0
+    """Promotions not started: the pool had no room left for them once the tier answered."""
     tier_writes_skipped: int = 0
+    """Keys not written through because a tier's writes in flight pinned its share of the pool."""
     tiers: tuple[TierStatistics, ...] = ()
+    """Each tier's own snapshot (its reads are the promotions, its writes the
+    write-through), top first."""
     manager: ManagerStatistics
+    """The CPU pool's manager."""
     worker: WorkerStatistics
+    """The worker, with every handler's snapshot."""
     poller: PollerStatistics | None = None
+    """The loop's completion poller (None before the first copy)."""

@@ -118,11 +118,10 @@ class TierDriver:
         self._opening: asyncio.Future[None] | None = None
         self.opened = False
         self._ctx = ReqContext()
-        # Counters (OffloaderStatistics).
+        # What only the Offloader knows (OffloaderStatistics); the tiers count their
+        # reads (the promotions) and writes themselves.
         self.hits = dict.fromkeys(media, 0)
-        self.promotions = self.promoted_blocks = self.promotion_failures = 0
-        self.promotion_timeouts = self.promotions_no_room = 0
-        self.writes = self.write_blocks = self.write_failures = self.writes_skipped = 0
+        self.promotion_timeouts = self.promotions_no_room = self.writes_skipped = 0
 
     # ------------------------------------------------------------- opening
     async def open(self) -> None:
@@ -227,7 +226,6 @@ class TierDriver:
         owner._writing.update(dict.fromkeys(reserved, copy))
         promotion = Promotion(tier, reserved, copy)
         task.add_done_callback(partial(self._promotion_done, promotion, load))
-        self.promotions += 1
         return promotion
 
     def _promotion_done(self, promotion: Promotion, load: TierLoad, task: TransferTask) -> None:
@@ -256,8 +254,6 @@ class TierDriver:
             for key in reserved:
                 writing.pop(key, None)
             owner._copies.pop(result.job_id, None)
-            self.promoted_blocks += len(ok)
-            self.promotion_failures += len(bad)
             promotion.copy.finish(replace(result, success=not bad))
 
     def count_hits(self, pinned: list[OffloadKey], promotions: list[Promotion]) -> int:
@@ -316,8 +312,8 @@ class TierDriver:
             owner._report(f"{tier.medium} write", exc)
             return
         copy = owner._track(task)
+        copy.patience = tier.io_timeout  # a tier transfer: bounded by its deadline
         self._pinned_by_writes[tier] += len(store.keys)
-        self.writes += 1
         task.add_done_callback(partial(self._write_done, tier, store, copy))
 
     def _write_done(self, tier: Tier, store: TierStore, copy: InFlight, task: TransferTask) -> None:
@@ -337,19 +333,8 @@ class TierDriver:
             copy.finish(result)
 
     def _end_store(self, tier: Tier, store: TierStore, result: TransferResult) -> None:
-        """Hand ``store`` back to ``tier``; count its keys written or not, one by one.
-
-        A transfer can fail part way with its first blocks written (a full
-        disk): the tier's ``store.written`` says which, as its own counters do.
-        """
-        try:
-            tier.complete_store(store, result)
-        finally:
-            written = store.written
-            if written is None:  # the tier does not say: the transfer's outcome is every key's
-                written = store.keys if result.success else []
-            self.write_blocks += len(written)
-            self.write_failures += len(store.keys) - len(written)
+        """Hand ``store`` back to ``tier`` (which counts its blocks written or not)."""
+        tier.complete_store(store, result)
 
     # ----------------------------------------------------------- reporting
     def statistics(self) -> tuple[TierStatistics, ...]:

@@ -37,7 +37,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 try:
@@ -55,9 +55,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "aiokvo.telemetry.prometheus needs prometheus-client: pip install 'aiokvo[prometheus]'"
     ) from exc
 
-from aiokvo._util import AsyncResource, check_int
+from aiokvo._util import AsyncResource, check_int, field_docs
 from aiokvo.errors import ConfigError
 from aiokvo.events import Lagged
+from aiokvo.manager.stats import ManagerStatistics
 from aiokvo.telemetry.stats import (
     Direction,
     TierTotals,
@@ -66,6 +67,7 @@ from aiokvo.telemetry.stats import (
     totals_from_statistics,
     transfer_direction,
 )
+from aiokvo.tiers.base import TierStatistics
 
 __all__ = [
     "DEFAULT_BYTES_BUCKETS",
@@ -272,6 +274,7 @@ class _Scrape:
 
     stats: Any
     totals: Totals
+    tier_snapshots: tuple[TierStatistics, ...]
     streams: _StreamState
     publisher: Any
     dropped_events: int | None
@@ -488,13 +491,24 @@ class OffloadMetrics(AsyncResource):
         """One consistent snapshot of everything; runs on the loop's thread."""
         self._drain()
         stats = self._source.statistics()
-        tiers = {name: read() for name, read in self._tiers.items()}
+        tiers: dict[str, TierStatistics | ManagerStatistics] = {}
+        for name, read in self._tiers.items():
+            snapshot = read()
+            if not isinstance(snapshot, TierStatistics | ManagerStatistics):
+                raise ConfigError(
+                    f"tiers[{name!r}] gave {snapshot!r}: a tier's statistics() "
+                    "(TierStatistics) or a manager's (ManagerStatistics) is expected"
+                )
+            tiers[name] = snapshot
         totals = totals_from_statistics(
             stats, medium=self._medium, block_bytes=self._block_bytes, tiers=tiers
         )
+        own = tuple(getattr(stats, "tiers", ()))
+        extra = tuple(t for t in tiers.values() if isinstance(t, TierStatistics))
         return _Scrape(
             stats=stats,
             totals=totals,
+            tier_snapshots=own + extra,
             streams=self._streams.read(),
             publisher=None if self._publisher is None else self._publisher.statistics(),
             dropped_events=None if self._subscription is None else self._subscription.dropped,
@@ -585,6 +599,23 @@ class _Builder:
         assert isinstance(family, CounterMetricFamily | GaugeMetricFamily)
         family.add_metric([*labels, *self._const_values], float(value))
 
+    def add_dynamic(
+        self, kind: Kind, name: str, doc: str, label_names: tuple[str, ...], value: float,
+        *labels: str,
+    ) -> None:  # fmt: skip
+        """A sample of a family not in :data:`METRICS` (made on first use): a tier's
+        own fields, whose names come from its statistics."""
+        family = self._families.get(name)
+        if family is None:
+            names = [*label_names, *self._const_names]
+            if kind == "counter":
+                family = CounterMetricFamily(name.removesuffix("_total"), doc, labels=names)
+            else:
+                family = GaugeMetricFamily(name, doc, labels=names)
+            self._families[name] = family
+        assert isinstance(family, CounterMetricFamily | GaugeMetricFamily)
+        family.add_metric([*labels, *self._const_values], float(value))
+
     def add_histogram(self, name: str, read: _HistogramRead, *labels: str) -> None:
         family = self._families[name]
         assert isinstance(family, HistogramMetricFamily)
@@ -604,6 +635,8 @@ def _families(
         return out.families()
     for medium, tier in scrape.totals.tiers.items():
         _tier(out, medium, tier)
+    for snapshot in scrape.tier_snapshots:
+        _tier_fields(out, snapshot)
     for (direction, medium), way in scrape.totals.transfers.items():
         _transfer(out, direction, medium, way)
     streams = scrape.streams
@@ -669,6 +702,45 @@ def _tier(out: _Builder, medium: str, t: TierTotals) -> None:
             out.add("aiokvo_breaker_state", float(state == t.breaker_state), medium, state)
 
 
+_COMMON_TIER_FIELDS = frozenset({
+    "medium", "lookups", "lookup_hits", "blocks_written", "blocks_read", "evictions",
+    "write_failures", "read_failures", "checksum_failures", "timeouts", "capacity_blocks",
+    "used_blocks", "capacity_bytes", "used_bytes", "failure_causes", "breaker",
+})  # fmt: skip
+"""Tier fields exported in the families every tier (the CPU pool too) shares."""
+
+
+def _tier_fields(out: _Builder, stats: TierStatistics) -> None:
+    """Every other numeric field of a tier's snapshot, as ``aiokvo_tier_<field>``
+    (a counter, ``_total``, unless the snapshot lists it in ``GAUGES``), with the
+    field's own doc as help: a counter added to a tier's statistics is exported
+    with no edit here. Failures by cause go to ``aiokvo_tier_failed_blocks_total``."""
+    kind = type(stats)
+    docs = field_docs(kind)
+    medium = stats.medium
+    for f in fields(kind):
+        name = f.name
+        value = getattr(stats, name)
+        if name in _COMMON_TIER_FIELDS or isinstance(value, bool):
+            continue
+        if not isinstance(value, int | float):
+            continue
+        gauge = name in kind.GAUGES
+        metric = f"aiokvo_tier_{name}" if gauge else f"aiokvo_tier_{name}_total"
+        out.add_dynamic("gauge" if gauge else "counter", metric, docs.get(name, name),
+                        ("medium",), value, medium)  # fmt: skip
+    out.add_dynamic("gauge", "aiokvo_tier_connected",
+                    docs.get("connected", "connected"), ("medium",),
+                    float(stats.connected), medium)  # fmt: skip
+    for cause, count in sorted(stats.failure_causes.items()):
+        out.add_dynamic("counter", "aiokvo_tier_failed_blocks_total",
+                        "Blocks a tier transfer did not move, by the store's cause.",
+                        ("medium", "cause"), count, medium, cause)  # fmt: skip
+    out.add_dynamic("counter", "aiokvo_breaker_rejected_total",
+                    "Operations the tier's circuit breaker turned away.",
+                    ("medium",), stats.breaker.rejected, medium)  # fmt: skip
+
+
 def _transfer(out: _Builder, direction: str, medium: str, way: TransferTotals) -> None:
     for name, key in _TRANSFER_SAMPLES.items():
         out.add(name, getattr(way, key), direction, medium)
@@ -685,7 +757,8 @@ def _parts(out: _Builder, stats: Any) -> None:
         out.add("aiokvo_offloader_store_waits_total", stats.store_waits + stats.polled_waits)
         out.add("aiokvo_offloader_cancelled_waits_total", stats.cancelled_waits)
         out.add("aiokvo_offloader_waiters", stats.waiters)
-        out.add("aiokvo_offloader_promotions_total", _int(stats, "promotions"))
+        out.add("aiokvo_offloader_promotions_total",
+                sum(t.reads for t in getattr(stats, "tiers", ())))  # the tiers' reads
         out.add("aiokvo_offloader_promotion_timeouts_total", _int(stats, "promotion_timeouts"))
         out.add("aiokvo_offloader_promotions_no_room_total", _int(stats, "promotions_no_room"))
         out.add("aiokvo_offloader_tier_writes_skipped_blocks_total",

@@ -3,20 +3,15 @@
 Every exporter needs the same arithmetic: which tier a counter belongs to,
 which way a transfer went, a hit rate, bytes per second over an interval.
 This module does it once, on frozen snapshots, for the Prometheus collector
-(:mod:`aiokvo.telemetry.prometheus`), the live view
-(``python -m aiokvo.telemetry watch``) and ``examples/telemetry.py``.
+(:mod:`aiokvo.telemetry.prometheus`), the live view (``aiokvo watch``) and
+``examples/telemetry.py``.
 
-**Tiers are read generically, by field name**, so that a tier appears in
-every exporter without new code. :func:`tier_totals` reads any statistics
-object (a dataclass snapshot, or anything with attributes) for the fields of
-:class:`TierTotals`, under the names listed in :data:`TIER_FIELDS`; a nested
-``manager`` (a :class:`~aiokvo.manager.stats.ManagerStatistics`, as a tier
-that reuses a manager over its own slots would report) is read first and
-overridden by the snapshot's own fields. Absent fields stay None and are
-left out of the exports. :func:`totals_from_statistics` finds the tiers of an
-Offloader's snapshot: the CPU pool (its manager and the Offloader's own
-counters) and, when the snapshot has one, a ``tiers`` attribute: a mapping
-``medium -> snapshot`` or a sequence of snapshots with a ``medium`` field.
+**Typed, counted once.** Each part counts its own work once and this module
+reads its typed snapshot: the CPU pool from its
+:class:`~aiokvo.manager.stats.ManagerStatistics` and the Offloader's own
+counters (:class:`~aiokvo.offloader.results.OffloaderStatistics`), each tier
+below from its :class:`~aiokvo.tiers.TierStatistics` (:func:`tier_totals`).
+:class:`TierTotals` is what every tier, the pool included, has in common.
 
 **Transfers are keyed by direction and medium**, read off each handler's
 :class:`~aiokvo.handlers.stats.HandlerStatistics` (its ``transfer_type``):
@@ -29,16 +24,15 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from enum import Enum
-from typing import Any, Literal
+from typing import Literal
 
 from aiokvo.handlers.stats import HandlerStatistics, WorkerStatistics
 from aiokvo.manager.stats import ManagerStatistics
 from aiokvo.offloader.results import OffloaderStatistics
 from aiokvo.specs import TransferType
+from aiokvo.tiers.base import TierStatistics
 
 __all__ = [
-    "TIER_FIELDS",
     "Direction",
     "TierRates",
     "TierTotals",
@@ -121,64 +115,26 @@ class TierTotals:
         return None
 
 
-TIER_FIELDS: Mapping[str, tuple[str, ...]] = {
-    "lookups": ("lookups",),
-    "hit_blocks": ("hit_blocks", "lookup_hits", "hits"),
-    "miss_blocks": ("miss_blocks", "misses"),
-    "stored_blocks": ("blocks_stored", "stored_blocks", "blocks_written"),
-    "loaded_blocks": ("blocks_loaded", "loaded_blocks", "blocks_read"),
-    "evicted_blocks": ("blocks_evicted", "evicted_blocks", "evictions"),
-    "store_failed_blocks": ("blocks_store_failed", "store_failed_blocks", "write_failures"),
-    "load_failed_blocks": ("blocks_load_failed", "load_failed_blocks", "read_failures"),
-    "stores_refused": ("stores_refused",),
-    "checksum_failures": ("checksum_failures",),
-    "timeouts": ("timeouts",),
-    "breaker_state": ("breaker_state", "breaker"),
-    "breaker_trips": ("breaker_trips",),
-    "num_blocks": ("num_blocks", "capacity_blocks"),
-    "used_blocks": ("used_blocks",),
-    "pinned_blocks": ("pinned_blocks",),
-    "writing_blocks": ("writing_blocks",),
-    "capacity_bytes": ("capacity_bytes",),
-    "used_bytes": ("used_bytes",),
-}
-"""The attribute names :func:`tier_totals` reads for each :class:`TierTotals` field,
-first match wins. A tier's statistics that use one of them is exported as is."""
-
-
-def tier_totals(medium: str, snapshot: object) -> TierTotals:
-    """A :class:`TierTotals` read from any statistics object, by field name.
-
-    A nested ``manager`` snapshot is read first, then the object's own
-    fields (:data:`TIER_FIELDS`) override it. Counters must be ints, the
-    breaker state a string, an enum (its value), a bool (``breaker_open``
-    style: True is ``"open"``) or a breaker snapshot with ``state`` (and
-    ``trips``); anything else is ignored.
-    """
-    values: dict[str, Any] = {}
-    nested = getattr(snapshot, "manager", None)
-    for source in (nested, snapshot):
-        if source is None:
-            continue
-        for name, aliases in TIER_FIELDS.items():
-            for alias in aliases:
-                value = getattr(source, alias, None)
-                if value is None:
-                    continue
-                value = _breaker(value) if name == "breaker_state" else _count(value)
-                if value is not None:
-                    values[name] = value
-                    break
-    if "breaker_state" not in values:
-        is_open = getattr(snapshot, "breaker_open", None)
-        if isinstance(is_open, bool):
-            values["breaker_state"] = "open" if is_open else "closed"
-    breaker = getattr(snapshot, "breaker", None)
-    if "breaker_trips" not in values and breaker is not None:
-        trips = _count(getattr(breaker, "trips", None))
-        if trips is not None:
-            values["breaker_trips"] = trips
-    return TierTotals(medium=str(getattr(snapshot, "medium", medium) or medium), **values)
+def tier_totals(stats: TierStatistics) -> TierTotals:
+    """What a tier below the CPU pool has in common with every tier, from its snapshot."""
+    return TierTotals(
+        medium=stats.medium,
+        lookups=stats.lookups,
+        hit_blocks=stats.lookup_hits,
+        stored_blocks=stats.blocks_written,
+        loaded_blocks=stats.blocks_read,
+        evicted_blocks=stats.evictions,
+        store_failed_blocks=stats.write_failures,
+        load_failed_blocks=stats.read_failures,
+        checksum_failures=stats.checksum_failures,
+        timeouts=stats.timeouts,
+        breaker_state=stats.breaker.state,
+        breaker_trips=stats.breaker.trips,
+        num_blocks=stats.capacity_blocks or None,
+        used_blocks=stats.used_blocks,
+        capacity_bytes=stats.capacity_bytes or None,
+        used_bytes=stats.used_bytes if stats.capacity_bytes else None,
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -253,31 +209,38 @@ def totals_from_statistics(
     *,
     medium: str = "CPU",
     block_bytes: int | None = None,
-    tiers: Mapping[str, object] | None = None,
+    tiers: Mapping[str, TierStatistics | ManagerStatistics] | None = None,
     at: float | None = None,
 ) -> Totals:
     """:class:`Totals` from an Offloader's (or a manager's, or a worker's) snapshot.
 
     ``medium`` names the pool of ``stats``'s manager, ``block_bytes`` is one
     of its blocks in bytes (``config.kv_bytes_per_offloaded_block``; without
-    it, occupancy is in blocks only). ``tiers`` adds other tiers' snapshots by
-    medium, next to any the snapshot itself carries in ``tiers``.
+    it, occupancy is in blocks only). An Offloader's snapshot carries its
+    tiers; ``tiers`` adds others by medium (a tier's snapshot, or another
+    pool's manager's).
     """
     found: dict[str, TierTotals] = {}
     transfers: dict[tuple[Direction, str], TransferTotals] = {}
     if isinstance(stats, OffloaderStatistics):
         found[medium] = _pool_tier(medium, stats.manager, stats, block_bytes)
         transfers = transfer_totals(stats.worker.handlers)
+        for tier in stats.tiers:
+            found.setdefault(tier.medium, tier_totals(tier))
     elif isinstance(stats, ManagerStatistics):
         found[medium] = _pool_tier(medium, stats, None, block_bytes)
     elif isinstance(stats, WorkerStatistics):
         transfers = transfer_totals(stats.handlers)
     else:
         raise TypeError(f"expected an Offloader, manager or worker snapshot, got {stats!r}")
-    for name, snapshot in _carried_tiers(stats):
-        found.setdefault(name, tier_totals(name, snapshot))
     for name, snapshot in (tiers or {}).items():
-        found[name] = tier_totals(name, snapshot)
+        if isinstance(snapshot, TierStatistics):
+            found[name] = replace(tier_totals(snapshot), medium=name)
+        elif isinstance(snapshot, ManagerStatistics):
+            found[name] = _pool_tier(name, snapshot, None, None)
+        else:
+            raise TypeError(f"tiers[{name!r}] must be a tier's or a manager's snapshot, "
+                            f"got {snapshot!r}")  # fmt: skip
     if isinstance(stats, OffloaderStatistics):
         _split_hits(stats, medium, found)
     return Totals(at=time.monotonic() if at is None else at, tiers=found, transfers=transfers)
@@ -316,35 +279,23 @@ def _pool_tier(
 
 
 def _split_hits(stats: OffloaderStatistics, medium: str, found: dict[str, TierTotals]) -> None:
-    """Per-tier hits and misses from ``hits_by_medium``, when the snapshot has it.
+    """Per-tier hits and misses from ``hits_by_medium``.
 
     A load asks the pool, then each tier below in turn (``tiers`` is top
     first) for what the ones above lacked: tier ``k`` was asked for every
     block the tiers above did not hit, and missed what it did not hit itself.
     """
-    by_medium = getattr(stats, "hits_by_medium", None)
-    if not isinstance(by_medium, Mapping) or not by_medium:
+    by_medium = stats.hits_by_medium
+    if not by_medium:
         return
-    order = [medium, *(name for name, _ in _carried_tiers(stats) if name != medium)]
+    order = [medium, *(t.medium for t in stats.tiers if t.medium != medium)]
     asked = stats.hit_blocks + stats.miss_blocks
     for name in order:
-        # A tier the Offloader does not list (one passed to the exporter by hand)
-        # keeps its own counts; the Offloader lists each of its tiers, at 0 too.
         hits = by_medium.get(name)
-        if not isinstance(hits, int) or name not in found:
+        if hits is None or name not in found:
             continue
         found[name] = replace(found[name], hit_blocks=hits, miss_blocks=max(asked - hits, 0))
         asked -= hits
-
-
-def _carried_tiers(stats: object) -> list[tuple[str, object]]:
-    """The ``tiers`` a snapshot carries: a mapping by medium, or snapshots with ``medium``."""
-    carried = getattr(stats, "tiers", None)
-    if carried is None:
-        return []
-    if isinstance(carried, Mapping):
-        return [(str(name), snap) for name, snap in carried.items()]
-    return [(str(getattr(snap, "medium", "?")), snap) for snap in carried]
 
 
 # -- rates over an interval ---------------------------------------------------------
@@ -448,22 +399,6 @@ def _delta(now: int | float | None, before: int | float | None) -> int | None:
     if before is None or now < before:
         return int(now)
     return int(now - before)
-
-
-def _count(value: object) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        return None
-    return value
-
-
-def _breaker(value: object) -> str | None:
-    if isinstance(value, Enum):
-        value = value.value if isinstance(value.value, str) else value.name.lower()
-    if isinstance(value, bool):
-        return "open" if value else "closed"
-    if not isinstance(value, str) and hasattr(value, "state"):  # a breaker's snapshot
-        return _breaker(value.state)
-    return value if isinstance(value, str) else None
 
 
 def _pct(value: float | None) -> str:

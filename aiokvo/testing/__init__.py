@@ -4,6 +4,9 @@ The pytest plugin (:mod:`aiokvo.testing.plugin`, loaded automatically)
 brings the GPU markers, the opt-in event-loop factories and the fixtures;
 this package holds what a test imports directly:
 
+* :func:`FaultyTier` and :class:`Faults`: a tier that flips bytes, fails
+  with EIO, stalls past its deadline and loses blocks on purpose, seeded
+  (:mod:`aiokvo.testing.faulty`);
 * :func:`drain`, :func:`assert_no_leaks` and :func:`offloader_leaks`
   (:mod:`aiokvo.testing.leaks`);
 * :class:`OffloaderFactory` and :func:`offload_config`
@@ -29,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from aiokvo._util import lazy_export
 
 if TYPE_CHECKING:
+    from aiokvo.testing.faulty import Faults, FaultyStore, FaultyTier
     from aiokvo.testing.gpu import GpuInfo, GpuInventory, probe_gpus
     from aiokvo.testing.kv import KVCaches, make_kv_caches
     from aiokvo.testing.leaks import assert_no_leaks, drain, leaked_threads, offloader_leaks
@@ -40,6 +44,9 @@ if TYPE_CHECKING:
 __all__ = [
     "FakeMooncakeCluster",
     "FakeMooncakeStore",
+    "FaultyStore",
+    "FaultyTier",
+    "Faults",
     "GpuInfo",
     "GpuInventory",
     "KVCaches",
@@ -64,6 +71,7 @@ _WHERE = {
     "OffloaderFactory": "offloaders", "offload_config": "offloaders",
     "missing_mooncake": "mooncake", "require_mooncake": "mooncake",
     "LocalCluster": "mooncake_cluster",
+    "FaultyStore": "faulty", "FaultyTier": "faulty", "Faults": "faulty",
     "FakeMooncakeCluster": "mooncake_fake", "FakeMooncakeStore": "mooncake_fake",
 }
 

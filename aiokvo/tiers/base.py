@@ -34,7 +34,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from aiokvo.keys import OffloadKey
 from aiokvo.tiers.breaker import BreakerStatistics
@@ -120,6 +120,10 @@ class TierStatistics:
     """Blocks the tier can hold (0: the store places blocks, as a cluster does)."""
     used_blocks: int = 0
     """Blocks held now (ready or being written), as far as the tier knows."""
+    capacity_bytes: int = 0
+    """Bytes the tier may take (0: unknown, the store's own business)."""
+    used_bytes: int = 0
+    """Bytes held now (0 where ``capacity_bytes`` is)."""
     connected: bool = True
     """The store is reachable (stores that connect: False until they have)."""
     connects: int = 0
@@ -184,6 +188,12 @@ class TierStatistics:
     """Failed blocks by the store's own cause (``"not_found"``, ``"bad_trailer"``, ...)."""
     breaker: BreakerStatistics = field(default_factory=BreakerStatistics)
     """The circuit breaker's snapshot."""
+
+    GAUGES: ClassVar[frozenset[str]] = frozenset({
+        "capacity_blocks", "used_blocks", "capacity_bytes", "used_bytes",
+    })  # fmt: skip
+    """Numeric fields that say how things are now (the others count since start): an
+    exporter reads them as gauges. A subclass adds its own."""
 
 
 class Tier(ABC):

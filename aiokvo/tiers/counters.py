@@ -17,7 +17,8 @@ from aiokvo.tiers.base import TierStatistics
 __all__ = ["COUNTER_FIELDS", "TierCounters"]
 
 _NOT_COUNTED = frozenset({
-    "medium", "capacity_blocks", "used_blocks", "connected", "evictions", "removals",
+    "medium", "capacity_blocks", "used_blocks", "capacity_bytes", "used_bytes", "connected",
+    "evictions", "removals",
     "failure_causes", "breaker",
 })  # fmt: skip
 

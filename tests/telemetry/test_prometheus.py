@@ -11,7 +11,7 @@ import dataclasses
 import http.server
 import threading
 import urllib.request
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest, push_to_gateway
@@ -21,6 +21,7 @@ from aiokvo import Offloader
 from aiokvo.errors import ConfigError
 from aiokvo.manager.stats import ManagerStatistics
 from aiokvo.offloader.results import OffloaderStatistics
+from aiokvo.tiers import BreakerStatistics, TierStatistics
 from aiokvo.telemetry.prometheus import (
     METRICS,
     MetricsServer,
@@ -130,55 +131,54 @@ async def test_a_callers_registry_keeps_its_own_metrics_and_refuses_a_duplicate(
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class FakeDiskStatistics:
-    """A tier's snapshot in the shape the generic reader expects (docs/telemetry.md)."""
+class NewTierStatistics(TierStatistics):
+    """A new tier's statistics: the common fields, plus counters of its own."""
 
-    medium: str = "DISK"
-    manager: ManagerStatistics
-    hit_blocks: int
-    miss_blocks: int
-    blocks_loaded: int
-    checksum_failures: int
-    breaker_state: str
-    capacity_bytes: int
-    used_bytes: int
+    compactions: int = 0
+    """Times the store compacted its log."""
+    open_segments: int = 0
+    """Segments open now."""
+
+    GAUGES: ClassVar[frozenset[str]] = TierStatistics.GAUGES | {"open_segments"}
 
 
 class TieredSource:
-    """An Offloader whose snapshot has a DISK tier (the shape the disk branch reports)."""
+    """An Offloader whose snapshot carries ``tiers`` (and where hits came from)."""
 
-    def __init__(self, off: Offloader, disk: FakeDiskStatistics) -> None:
-        self._off = off
-        self.disk = disk
+    def __init__(
+        self, off: Offloader, *tiers: TierStatistics, hits: dict[str, int] | None = None
+    ) -> None:
+        self._off, self._tiers, self._hits = off, tiers, hits
         self.worker = off.worker
         self.subscribe = off.subscribe
 
     def statistics(self) -> OffloaderStatistics:
-        return dataclasses.replace(self._off.statistics(), tiers=(self.disk,))  # type: ignore[arg-type]
+        snapshot = dataclasses.replace(self._off.statistics(), tiers=self._tiers)
+        if self._hits is not None:
+            snapshot = dataclasses.replace(snapshot, hits_by_medium=self._hits)
+        return snapshot
 
 
-async def test_a_tier_appears_from_its_statistics_without_new_code(
+async def test_a_tier_and_its_own_counters_appear_without_new_code(
     offloader: tuple[Offloader, KV, Copies],
 ) -> None:
     off, kv, _ = offloader
-    disk = FakeDiskStatistics(
-        manager=ManagerStatistics(num_blocks=100, used_blocks=40, lookups=9, blocks_stored=40,
-                                  blocks_evicted=2),
-        hit_blocks=5, miss_blocks=15, blocks_loaded=5, checksum_failures=1,
-        breaker_state="open", capacity_bytes=100 << 20, used_bytes=40 << 20,
+    disk = NewTierStatistics(
+        medium="LOG", capacity_blocks=100, used_blocks=40, lookups=9, lookup_hits=5,
+        blocks_read=5, blocks_written=40, evictions=2, checksum_failures=1, offers=50,
+        capacity_bytes=100 << 20, used_bytes=40 << 20, compactions=3, open_segments=2,
+        failure_causes={"corrupt": 1}, breaker=BreakerStatistics(state="open", rejected=6),
     )
     source = TieredSource(off, disk)
 
-    def mooncake() -> ManagerStatistics:  # a tier passed by hand, as a callable
+    def other_pool() -> ManagerStatistics:  # another pool passed by hand, as a callable
         return ManagerStatistics(num_blocks=10, used_blocks=1, lookups=2, lookup_hits=1)
 
-    async with start_metrics_server(source, 0, tiers={"MOONCAKE": mooncake}) as server:
+    async with start_metrics_server(source, 0, tiers={"SHARED": other_pool}) as server:
         await known_workload(off, kv)
         s = parse(await scrape(server.url))
-    d = {"medium": "DISK"}
+    d = {"medium": "LOG"}
     assert value(s, "aiokvo_lookups_total", **d) == 9
-    assert value(s, "aiokvo_hit_blocks_total", **d) == 5  # its own field beats the manager's
-    assert value(s, "aiokvo_miss_blocks_total", **d) == 15
     assert value(s, "aiokvo_stored_blocks_total", **d) == 40
     assert value(s, "aiokvo_evicted_blocks_total", **d) == 2
     assert value(s, "aiokvo_loaded_blocks_total", **d) == 5
@@ -187,46 +187,36 @@ async def test_a_tier_appears_from_its_statistics_without_new_code(
     assert value(s, "aiokvo_pool_used_bytes", **d) == 40 << 20
     assert value(s, "aiokvo_breaker_state", **d, state="open") == 1
     assert value(s, "aiokvo_breaker_state", **d, state="closed") == 0
-    assert value(s, "aiokvo_lookups_total", medium="MOONCAKE") == 2
-    assert value(s, "aiokvo_hit_blocks_total", medium="MOONCAKE") == 1
+    # Every other field of the snapshot, by its own name: counters and gauges alike.
+    assert value(s, "aiokvo_tier_offers_total", **d) == 50
+    assert value(s, "aiokvo_tier_compactions_total", **d) == 3
+    assert value(s, "aiokvo_tier_open_segments", **d) == 2
+    assert value(s, "aiokvo_tier_failed_blocks_total", **d, cause="corrupt") == 1
+    assert value(s, "aiokvo_breaker_rejected_total", **d) == 6
+    assert value(s, "aiokvo_lookups_total", medium="SHARED") == 2
+    assert value(s, "aiokvo_hit_blocks_total", medium="SHARED") == 1
     assert value(s, "aiokvo_hit_blocks_total", medium="CPU") == 4  # the CPU tier is still there
     assert ("aiokvo_checksum_failures_total", frozenset({"medium": "CPU"}.items())) not in s
 
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Breaker:
-    state: str = "closed"
-    trips: int = 0
+def test_a_tiers_own_counter_is_documented_by_its_field() -> None:
+    from aiokvo.telemetry.prometheus import _Builder, _tier_fields
+
+    out = _Builder(())
+    _tier_fields(out, NewTierStatistics(medium="LOG", compactions=1))
+    docs = {f.name: f.documentation for f in out.families()}
+    assert docs["aiokvo_tier_compactions"] == "Times the store compacted its log."
+    assert docs["aiokvo_tier_offers"] == "Keys offered for writing (the admission filter counts them)."
 
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class TierSnapshot:
-    """A tier's snapshot in the other common shape: counters named by reads and writes."""
-
-    medium: str
-    capacity_blocks: int
-    used_blocks: int
-    lookups: int
-    lookup_hits: int
-    blocks_read: int
-    blocks_written: int
-    read_failures: int
-    write_failures: int
-    evictions: int
-    checksum_failures: int
-    timeouts: int
-    breaker: Breaker
-
-
-class CascadeSource:
-    def __init__(self, off: Offloader, hits: dict[str, int], *tiers: TierSnapshot) -> None:
-        self._off, self._hits, self._tiers = off, hits, tiers
-        self.worker = off.worker
-        self.subscribe = off.subscribe
-
-    def statistics(self) -> OffloaderStatistics:
-        snapshot = self._off.statistics()
-        return dataclasses.replace(snapshot, hits_by_medium=self._hits, tiers=self._tiers)  # type: ignore[arg-type]
+async def test_a_bad_tier_snapshot_is_a_config_error(
+    offloader: tuple[Offloader, KV, Copies],
+) -> None:
+    off, _, _ = offloader
+    metrics = OffloadMetrics(off, CollectorRegistry(), tiers={"X": lambda: {"lookups": 1}})
+    with pytest.raises(ConfigError, match="TierStatistics"):
+        metrics.totals()
+    metrics.close()
 
 
 async def test_tiers_below_the_pool_get_hits_and_misses_by_cascade(
@@ -234,13 +224,13 @@ async def test_tiers_below_the_pool_get_hits_and_misses_by_cascade(
 ) -> None:
     off, kv, _ = offloader
     await known_workload(off, kv)  # 6 blocks asked for: 4 hit, 2 missed
-    disk = TierSnapshot(medium="DISK", capacity_blocks=50, used_blocks=10, lookups=3,
-                        lookup_hits=2, blocks_read=1, blocks_written=10, read_failures=1,
-                        write_failures=2, evictions=3, checksum_failures=1, timeouts=2,
-                        breaker=Breaker(state="half_open", trips=4))
-    remote = dataclasses.replace(disk, medium="MOONCAKE", breaker=Breaker())
+    disk = TierStatistics(medium="DISK", capacity_blocks=50, used_blocks=10, lookups=3,
+                          lookup_hits=2, blocks_read=1, blocks_written=10, read_failures=1,
+                          write_failures=2, evictions=3, checksum_failures=1, timeouts=2,
+                          breaker=BreakerStatistics(state="half_open", trips=4))
+    remote = dataclasses.replace(disk, medium="MOONCAKE", breaker=BreakerStatistics())
     # Of the 4 hits, say 1 came from the disk and 1 from the remote tier.
-    source = CascadeSource(off, {"CPU": 2, "DISK": 1, "MOONCAKE": 1}, disk, remote)
+    source = TieredSource(off, disk, remote, hits={"CPU": 2, "DISK": 1, "MOONCAKE": 1})
     metrics = OffloadMetrics(source, CollectorRegistry())
     s = parse(generate_latest(metrics.registry).decode())
     metrics.close()
@@ -260,7 +250,6 @@ async def test_tiers_below_the_pool_get_hits_and_misses_by_cascade(
     assert value(s, "aiokvo_timeouts_total", **d) == 2
     assert value(s, "aiokvo_breaker_trips_total", **d) == 4
     assert value(s, "aiokvo_breaker_state", **d, state="half_open") == 1
-    assert value(s, "aiokvo_breaker_state", medium="MOONCAKE", state="closed") == 1
 
 
 async def test_a_blocked_loop_gets_the_previous_snapshot_not_a_torn_one(
@@ -480,10 +469,13 @@ async def test_the_offloaders_promotion_and_write_through_counters_are_exported(
         lease.release()
         metrics.close()
     assert value(s, "aiokvo_offloader_promotions_no_room_total") == stats.promotions_no_room == 1
-    assert value(s, "aiokvo_offloader_promotions_total") == stats.promotions == 0
+    (tier,) = stats.tiers  # counted once, by the tier: its reads are the promotions
+    assert value(s, "aiokvo_offloader_promotions_total") == tier.reads == 0
     assert value(s, "aiokvo_offloader_promotion_timeouts_total") == 0
     assert value(s, "aiokvo_offloader_tier_writes_skipped_blocks_total") == 0
     disk = {"medium": "DISK"}
-    assert value(s, "aiokvo_stored_blocks_total", **disk) == stats.tier_write_blocks == 5
+    assert value(s, "aiokvo_stored_blocks_total", **disk) == tier.blocks_written == 5
     assert value(s, "aiokvo_failed_blocks_total", **disk, direction="store") == 3
-    assert stats.tier_write_failures == 3
+    assert tier.write_failures == 3
+    assert value(s, "aiokvo_tier_writes_total", **disk) == tier.writes == 2
+    assert value(s, "aiokvo_tier_bytes_written_total", **disk) == tier.bytes_written

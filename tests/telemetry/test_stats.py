@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
-
 import pytest
 
 from aiokvo.handlers.stats import HandlerStatistics, WorkerStatistics
 from aiokvo.manager.stats import ManagerStatistics
+from aiokvo.tiers import BreakerStatistics, TierStatistics
 from aiokvo.telemetry.stats import (
     TierTotals,
     Totals,
@@ -38,38 +36,27 @@ def test_a_transfer_is_named_by_the_tier_away_from_the_gpu(
     assert transfer_direction(route) == expected
 
 
-class Breaker(enum.Enum):
-    CLOSED = "closed"
-    HALF_OPEN = "half_open"
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    medium: str
-    manager: ManagerStatistics | None = None
-    hits: int | None = None
-    evictions: int | None = None
-    breaker: object = None
-    breaker_open: object = None
-    checksum_failures: object = None
-
-
-def test_tier_fields_are_read_by_name_with_the_manager_underneath() -> None:
-    manager = ManagerStatistics(num_blocks=10, used_blocks=5, lookup_hits=7, blocks_evicted=1)
-    t = tier_totals("X", Snapshot("DISK", manager, hits=9, evictions=4, breaker=Breaker.HALF_OPEN))
-    assert t.medium == "DISK"  # the snapshot's own medium wins over the key
-    assert (t.hit_blocks, t.evicted_blocks) == (9, 4)  # its own fields beat the manager's
+def test_a_tiers_totals_are_read_from_its_typed_snapshot() -> None:
+    stats = TierStatistics(
+        medium="DISK", capacity_blocks=10, used_blocks=5, lookups=3, lookup_hits=7,
+        blocks_read=2, blocks_written=6, evictions=4, write_failures=1, read_failures=2,
+        checksum_failures=1, timeouts=3, breaker=BreakerStatistics(state="half_open", trips=2),
+    )
+    t = tier_totals(stats)
+    assert t.medium == "DISK"
+    assert (t.lookups, t.hit_blocks, t.miss_blocks) == (3, 7, None)  # misses: the Offloader's
+    assert (t.loaded_blocks, t.stored_blocks, t.evicted_blocks) == (2, 6, 4)
+    assert (t.load_failed_blocks, t.store_failed_blocks) == (2, 1)
     assert (t.num_blocks, t.used_blocks, t.usage) == (10, 5, 0.5)
-    assert t.breaker_state == "half_open"
-    assert t.checksum_failures is None and t.hit_rate is None  # no misses reported
+    assert (t.checksum_failures, t.timeouts) == (1, 3)
+    assert (t.breaker_state, t.breaker_trips) == ("half_open", 2)
+    assert (t.capacity_bytes, t.used_bytes) == (None, None)  # unknown, not zero
 
 
-def test_a_tier_field_of_the_wrong_type_is_ignored_not_exported() -> None:
-    t = tier_totals("DISK", Snapshot("DISK", checksum_failures=True, breaker_open=True))
-    assert t.checksum_failures is None  # a bool is not a count
-    assert t.breaker_state == "open"
-    assert tier_totals("DISK", Snapshot("DISK", breaker_open=False)).breaker_state == "closed"
-    assert tier_totals("DISK", Snapshot("DISK", checksum_failures=1.5)).checksum_failures is None
+def test_a_snapshot_that_is_not_a_tiers_or_a_managers_is_refused() -> None:
+    manager = ManagerStatistics(num_blocks=4)
+    with pytest.raises(TypeError, match="snapshot"):
+        totals_from_statistics(manager, tiers={"X": object()})  # type: ignore[dict-item]
 
 
 def test_totals_of_a_manager_or_a_worker_snapshot() -> None:

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -78,10 +78,6 @@ class DiskTierStatistics(TierStatistics):
     """This process's slab (-1 before open)."""
     slot_bytes: int = 0
     """Bytes of one slot (a block, rounded up to a page)."""
-    capacity_bytes: int = 0
-    """Bytes this process's slab may take."""
-    used_bytes: int = 0
-    """Slots held (ready or being written) times ``slot_bytes``."""
     direct_io: bool = False
     """O_DIRECT in use."""
     fsync: str = "none"
@@ -98,6 +94,10 @@ class DiskTierStatistics(TierStatistics):
     """Index entries whose seal failed (left alone)."""
     refused_slabs: int = 0
     """Slabs of another version or layout left alone."""
+
+    GAUGES: ClassVar[frozenset[str]] = TierStatistics.GAUGES | {
+        "slab", "slot_bytes", "foreign_blocks",
+    }  # fmt: skip
 
 
 class DiskStore:

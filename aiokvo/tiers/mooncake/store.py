@@ -28,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -92,6 +92,10 @@ class MooncakeTierStatistics(TierStatistics):
     """Keys in the negative cache now."""
     writing_blocks: int = 0
     """Blocks with a put in flight."""
+
+    GAUGES: ClassVar[frozenset[str]] = TierStatistics.GAUGES | {
+        "replica_num", "negative_cached", "writing_blocks",
+    }  # fmt: skip
 
     @property
     def setups(self) -> int:
