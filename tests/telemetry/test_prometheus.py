@@ -21,7 +21,6 @@ from aiokvo import Offloader
 from aiokvo.errors import ConfigError
 from aiokvo.manager.stats import ManagerStatistics
 from aiokvo.offloader.results import OffloaderStatistics
-from aiokvo.tiers import BreakerStatistics, TierStatistics
 from aiokvo.telemetry.prometheus import (
     METRICS,
     MetricsServer,
@@ -29,6 +28,7 @@ from aiokvo.telemetry.prometheus import (
     start_metrics_server,
     totals_from_text,
 )
+from aiokvo.tiers import BreakerStatistics, TierStatistics
 from tests.offloader._harness import KV, Copies, keys
 from tests.telemetry.scrape import known_workload, parse, scrape, value
 
@@ -206,7 +206,9 @@ def test_a_tiers_own_counter_is_documented_by_its_field() -> None:
     _tier_fields(out, NewTierStatistics(medium="LOG", compactions=1))
     docs = {f.name: f.documentation for f in out.families()}
     assert docs["aiokvo_tier_compactions"] == "Times the store compacted its log."
-    assert docs["aiokvo_tier_offers"] == "Keys offered for writing (the admission filter counts them)."
+    assert docs["aiokvo_tier_offers"] == (
+        "Keys offered for writing (the admission filter counts them)."
+    )
 
 
 async def test_a_bad_tier_snapshot_is_a_config_error(

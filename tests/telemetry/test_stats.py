@@ -6,7 +6,6 @@ import pytest
 
 from aiokvo.handlers.stats import HandlerStatistics, WorkerStatistics
 from aiokvo.manager.stats import ManagerStatistics
-from aiokvo.tiers import BreakerStatistics, TierStatistics
 from aiokvo.telemetry.stats import (
     TierTotals,
     Totals,
@@ -17,6 +16,7 @@ from aiokvo.telemetry.stats import (
     totals_from_statistics,
     transfer_direction,
 )
+from aiokvo.tiers import BreakerStatistics, TierStatistics
 
 
 @pytest.mark.parametrize(

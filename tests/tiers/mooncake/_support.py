@@ -8,8 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from aiokvo import Offloader
-from aiokvo.tiers.mooncake import MooncakeTier
 from aiokvo.testing.mooncake_fake import FakeMooncakeCluster
+from aiokvo.tiers.mooncake import MooncakeTier
 from aiokvo.tiers.mooncake.tier import MooncakeTierStatistics
 from tests.offloader._harness import KV
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from aiokvo.testing.mooncake import ClusterFactory
 from aiokvo.testing import LocalCluster
+from aiokvo.testing.mooncake import ClusterFactory
 from aiokvo.tiers.mooncake import MooncakeTier
 from tests.offloader._harness import KV, keys
 from tests.tiers.mooncake._support import PagesKV, eventually, mooncake_stats, replica

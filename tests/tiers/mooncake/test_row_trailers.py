@@ -15,8 +15,8 @@ import pytest
 
 from aiokvo import Offloader
 from aiokvo.specs import ReqContext
-from aiokvo.tiers import DiskTier, TierBinding
 from aiokvo.testing.mooncake_fake import FakeMooncakeCluster
+from aiokvo.tiers import DiskTier, TierBinding
 from aiokvo.tiers.mooncake.format import TRAILER_BYTES, check_trailer
 from tests.offloader._harness import KV, keys
 from tests.tiers.disk._util import disk_tier
