@@ -6,8 +6,10 @@ cyclic garbage collector.
 
 This module also holds the checks every manager entry point shares: a list
 of keys must be a list (a bare key would be iterated byte by byte, as ints),
-and each key must be ``bytes`` longer than its 4-byte group suffix. Both are
-cheap enough for the hot path (see docs/manager.md, "Checking keys").
+and each key must be ``bytes`` longer than its 4-byte group suffix and at
+most :data:`MAX_KEY_BYTES` long (what every tier can store: a disk tier's
+index entry has that much room). Both are cheap enough for the hot path
+(see docs/manager.md, "Checking keys").
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from aiokvo.errors import InvalidKeyError
 
 __all__ = [
     "GROUP_IDX_BYTES",
+    "MAX_BLOCK_HASH_BYTES",
+    "MAX_KEY_BYTES",
     "OffloadKey",
     "bad_key_error",
     "check_keys",
@@ -35,15 +39,24 @@ OffloadKey = NewType("OffloadKey", bytes)
 """``block_hash`` followed by the group index as 4 big-endian bytes."""
 
 GROUP_IDX_BYTES = 4
+MAX_KEY_BYTES = 96
+"""The longest key (block hash and group index) every tier can store: a block hash
+of up to 92 bytes, far more than any hash a serving engine uses (32)."""
+MAX_BLOCK_HASH_BYTES = MAX_KEY_BYTES - GROUP_IDX_BYTES
 _MAX_GROUP_IDX = (1 << (8 * GROUP_IDX_BYTES)) - 1
 _HASH_SHOWN = 6  # bytes of the hash an error message shows
 _BARE = (bytes, bytearray, memoryview, str)
 
 
 def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
-    """Pack ``block_hash`` (non-empty bytes) and ``group_idx`` (0 .. 2**32-1) into a key."""
+    """Pack ``block_hash`` (1 to 92 bytes) and ``group_idx`` (0 .. 2**32-1) into a key."""
     if not isinstance(block_hash, (bytes, bytearray, memoryview)) or not len(block_hash):
         raise InvalidKeyError(f"block_hash must be non-empty bytes, got {block_hash!r}")
+    if len(block_hash) > MAX_BLOCK_HASH_BYTES:
+        raise InvalidKeyError(
+            f"block_hash is {len(block_hash)} bytes; at most {MAX_BLOCK_HASH_BYTES} fit every "
+            "tier (hash it down, e.g. with hashlib.blake2b(..., digest_size=32))"
+        )
     group_idx = check_int("group_idx", group_idx, minimum=0, maximum=_MAX_GROUP_IDX,
                           error=InvalidKeyError)
     return OffloadKey(bytes(block_hash) + group_idx.to_bytes(GROUP_IDX_BYTES, "big"))
@@ -62,8 +75,9 @@ def get_offload_group_idx(key: OffloadKey) -> int:
 
 
 def is_offload_key(value: object) -> bool:
-    """True for ``bytes`` longer than the group suffix (a hash of at least one byte)."""
-    return isinstance(value, bytes) and len(value) > GROUP_IDX_BYTES
+    """True for ``bytes`` longer than the group suffix (a hash of at least one byte) and
+    at most :data:`MAX_KEY_BYTES`."""
+    return isinstance(value, bytes) and GROUP_IDX_BYTES < len(value) <= MAX_KEY_BYTES
 
 
 def describe_key(value: object) -> str:
@@ -113,7 +127,9 @@ def check_keys(keys: Iterable[object], what: str) -> None:
     """
     for key in keys:
         # The exact type test is the fast path; a bytes subclass passes the second.
-        if (type(key) is not bytes or len(key) <= GROUP_IDX_BYTES) and not is_offload_key(key):
+        if (type(key) is not bytes or not GROUP_IDX_BYTES < len(key) <= MAX_KEY_BYTES) and (
+            not is_offload_key(key)
+        ):
             raise bad_key_error(key, what)
 
 
@@ -121,7 +137,8 @@ def bad_key_error(value: object, what: str) -> InvalidKeyError:
     """The error for one ``value`` that is not an OffloadKey, passed to ``what``."""
     return InvalidKeyError(
         f"{what}: {describe_key(value)} is not an OffloadKey "
-        f"(bytes: a block hash, then a {GROUP_IDX_BYTES}-byte group index)"
+        f"(bytes: a block hash, then a {GROUP_IDX_BYTES}-byte group index; "
+        f"{MAX_KEY_BYTES} bytes at most)"
     )
 
 

@@ -30,7 +30,14 @@ import numpy as np
 
 from aiokvo._util import check_choice, check_int
 from aiokvo.errors import BlockNotReadyError, StaleReservationError, UnknownKeyError
-from aiokvo.keys import GROUP_IDX_BYTES, OffloadKey, check_keys, describe_key, key_sequence
+from aiokvo.keys import (
+    GROUP_IDX_BYTES,
+    MAX_KEY_BYTES,
+    OffloadKey,
+    check_keys,
+    describe_key,
+    key_sequence,
+)
 from aiokvo.manager.base import OffloadingManager, StoreRefusal
 from aiokvo.manager.policies.base import RECENCY_MODES, WRITING, BlockStatus, CachePolicy, Recency
 from aiokvo.manager.policies.registry import resolve_policy
@@ -208,7 +215,7 @@ class CPUOffloadingManager(OffloadingManager):
             check_keys((key,), "lookup")
             raise
         if absent:
-            if type(key) is not bytes or len(key) <= GROUP_IDX_BYTES:
+            if type(key) is not bytes or not GROUP_IDX_BYTES < len(key) <= MAX_KEY_BYTES:
                 check_keys((key,), "lookup")
             self._lookups += 1
             self._lookup_misses += 1

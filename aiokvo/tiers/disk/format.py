@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import xxhash
 
 from aiokvo.errors import ConfigError
-from aiokvo.keys import OffloadKey
+from aiokvo.keys import MAX_KEY_BYTES, OffloadKey
 
 __all__ = [
     "ALGO_XXH3_64",
@@ -45,7 +45,6 @@ INDEX_MAGIC = b"AIOKVODI"
 HEADER_PAGE = 4096
 """Bytes before the first entry (and the alignment of slots, for O_DIRECT)."""
 ENTRY_BYTES = 128
-MAX_KEY_BYTES = 96
 ALGO_XXH3_64 = 1
 
 _ENTRY = struct.Struct("<QQIHH96s")  # generation, checksum, payload bytes, key bytes, algo, key
