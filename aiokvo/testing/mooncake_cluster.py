@@ -188,8 +188,10 @@ class LocalCluster:
 
     @property
     def client_env(self) -> dict[str, str]:
-        """Environment a client process needs before its ``setup()`` (HTTP metadata only)."""
-        return {} if self.metadata == "p2p" else {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+        """Environment every process of the cluster, clients included, needs before its
+        ``setup()``: Mooncake's TCP transport listens on every interface unless told
+        an address, and this cluster is loopback only."""
+        return {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
 
     @property
     def workdir(self) -> Path:

@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from aiokvo.errors import ConfigError, TierUnavailableError
 from aiokvo.handlers.routes import HandlerRoute
 from aiokvo.keys import OffloadKey
+from aiokvo.runtime.daemons import DaemonPool
 from aiokvo.specs import CPULoadStoreSpec, TransferResult
 from aiokvo.tiers.base import Tier, TierBinding, TierLoad, TierStatistics, TierStore
 from aiokvo.tiers.core import TierCore
@@ -103,7 +104,7 @@ class StoreTier(Tier):
         self._writer: StoreHandler | None = None
         self._reader: StoreHandler | None = None
         self._tickets: dict[TierSpec, object] = {}
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: DaemonPool | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._wake: asyncio.Event | None = None
         self._pending: _LookupBatch | None = None
@@ -189,14 +190,16 @@ class StoreTier(Tier):
 
     async def _open(self) -> None:
         self._opened = True
-        name = f"aiokvo-{self.medium.lower()}-ctl"
-        self._executor = ThreadPoolExecutor(2, thread_name_prefix=name)
+        self._executor = DaemonPool(2, f"aiokvo-{self.medium.lower()}-ctl")
         loop = asyncio.get_running_loop()
         caps = self.store.capabilities
         if caps.reconnects:
+            # Connect in the background: the first call waits for it no longer than a
+            # lookup may take (a slow or absent cluster must not hold up the pool).
             self._wake = asyncio.Event()
-            await self._connect()
-            self._tasks.append(loop.create_task(self._watch_connection()))
+            first = loop.create_task(self._connect())
+            self._tasks.append(loop.create_task(self._watch_connection(first)))
+            await asyncio.wait([first], timeout=caps.lookup_timeout)
         else:
             self._adopt(await self._call(self.store.open))
         await self.maintain()
@@ -237,10 +240,18 @@ class StoreTier(Tier):
         logger.info("%s tier: connected (%r)", self.medium, self)
         return True
 
-    async def _watch_connection(self) -> None:
-        """Reconnect while disconnected; run the breaker's trial while it is half-open."""
+    async def _watch_connection(self, first: asyncio.Task[bool]) -> None:
+        """After the ``first`` attempt: reconnect while disconnected; run the breaker's
+        trial while it is half-open."""
         core, wake = self.core, self._wake
         assert wake is not None
+        try:
+            await asyncio.shield(first)
+        except asyncio.CancelledError:
+            first.cancel()
+            raise
+        except Exception as exc:  # a bug in connecting: say so, and keep trying
+            logger.error("%s tier: connecting failed: %r", self.medium, exc)
         settings = self.settings
         backoff = settings.reset_after
         poll = max(0.005, min(0.25, settings.reset_after / 4))
@@ -308,7 +319,7 @@ class StoreTier(Tier):
         executor = self._executor
         if executor is None or self._closed:
             raise RuntimeError(f"the {self.medium} tier is closed")
-        return asyncio.get_running_loop().run_in_executor(executor, fn)
+        return asyncio.wrap_future(executor.submit(fn))
 
     # ------------------------------------------------------------- lookups
     def lookup_nowait(self, keys: Sequence[OffloadKey]) -> int:
@@ -523,7 +534,7 @@ class StoreTier(Tier):
         finally:
             executor, self._executor = self._executor, None
             if executor is not None:
-                executor.shutdown(wait=False, cancel_futures=True)
+                executor.shutdown()
             if self._core is not None:
                 self._core.connected = False
 

@@ -134,10 +134,12 @@ class MooncakeClient:
         replica_num: int = 1,
         preferred_segment: str | None = None,
         probe: Callable[[str, float], None] | None = probe_master,
+        setup_probe: Callable[[SetupSettings, float], None] | None = None,
         close_timeout: float = 60.0,
     ) -> None:
         self._factory = store_factory
         self._probe = probe
+        self._setup_probe = setup_probe
         self._replica_num = replica_num
         self._preferred_segment = preferred_segment
         self._close_timeout = close_timeout
@@ -162,18 +164,23 @@ class MooncakeClient:
 
     # ------------------------------------------------------------ connecting
     def connect(
-        self, settings: SetupSettings, spans: Sequence[tuple[int, int]], *, probe_timeout: float
-    ) -> None:
+        self, settings: SetupSettings, spans: Sequence[tuple[int, int]], *,
+        probe_timeout: float, setup_timeout: float = 30.0,
+    ) -> None:  # fmt: skip
         """``setup()`` and register ``spans``; raises TierUnavailableError (blocking).
 
+        The master is probed first: its TCP port within ``probe_timeout``, then
+        (``setup_probe``) a whole ``setup()`` in a child process within
+        ``setup_timeout``, because ``setup()`` holds the GIL while it waits.
         Concurrent calls wait for each other: the first that succeeds connects.
         """
         with self._connecting:
-            self._connect(settings, spans, probe_timeout)
+            self._connect(settings, spans, probe_timeout, setup_timeout)
 
     def _connect(
-        self, settings: SetupSettings, spans: Sequence[tuple[int, int]], probe_timeout: float
-    ) -> None:
+        self, settings: SetupSettings, spans: Sequence[tuple[int, int]], probe_timeout: float,
+        setup_timeout: float,
+    ) -> None:  # fmt: skip
         with self._lock:
             if self._closing:
                 raise TierUnavailableError("the Mooncake client is closed")
@@ -181,6 +188,8 @@ class MooncakeClient:
                 return
         if self._probe is not None:
             self._probe(settings.master_server_addr, probe_timeout)
+        if self._setup_probe is not None:
+            self._setup_probe(settings, setup_timeout)
         store = self._factory()
         rc = store.setup(
             settings.local_hostname,
@@ -298,6 +307,18 @@ class MooncakeClient:
             self._exit()
 
     # --------------------------------------------------------------- closing
+    def abandon(self, why: str) -> None:
+        """Stop using the store without closing it (its ``close()`` holds the GIL for as
+        long as a dead master takes to time out): it is kept alive, unused, and the
+        process keeps running. Later calls raise TierUnavailableError."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self._stuck, self._store = self._store, None
+        if self._stuck is not None:
+            logger.warning("Mooncake tier: leaving the client open, unused: %s", why)
+
     def close(self) -> None:
         """Wait for the calls in flight, then close the store once (blocking)."""
         with self._lock:

@@ -55,6 +55,7 @@ from aiokvo.tiers.mooncake.format import (
     outcome_of_code,
     seal_trailers,
 )
+from aiokvo.tiers.mooncake.probe import probe_setup
 from aiokvo.tiers.mooncake.rows import BlockRows, Buffers
 from aiokvo.tiers.mooncake.spec import MOONCAKE_MEDIUM
 from aiokvo.tiers.outcome import Outcome
@@ -163,12 +164,15 @@ class MooncakeStore:
             lookup_timeout=config.lookup_timeout, connect_timeout=config.setup_timeout,
         )  # fmt: skip
         self._factory = store_factory
+        real = store_factory is None
         self.client = MooncakeClient(
             store_factory or default_store_factory,
             replica_num=config.replica_num,
             preferred_segment=config.preferred_segment,
-            probe=probe_master if store_factory is None else None,
+            probe=probe_master if real else None,
+            setup_probe=probe_setup if real else None,
         )
+        self._healthy = True  # the cluster answered the last call
         self.namespace = ""
         self._put_rows: BlockRows | None = None
         self._get_rows: BlockRows | None = None
@@ -242,17 +246,29 @@ class MooncakeStore:
         host = config.local_hostname or route_address(config.master_server_addr)
         spans = put_rows.spans() + get_rows.spans()[-1:]  # the pool once, both arenas
         self.client.connect(config.setup_settings(host), spans,
-                            probe_timeout=config.lookup_timeout)  # fmt: skip
+                            probe_timeout=config.lookup_timeout,
+                            setup_timeout=config.setup_timeout)  # fmt: skip
+        self._healthy = True
         logger.info("Mooncake tier: %s as %s (namespace %s)", config.master_server_addr,
                     self.client.hostname, self.namespace)  # fmt: skip
         return []
 
     def exists(self, places: list[Any]) -> list[int]:
-        return self.client.exists(list(places))
+        answers = self._healthy_if(self.client.exists, list(places))
+        self._healthy = all(a in (0, 1) for a in answers)
+        return answers
 
     def probe(self) -> bool:
-        answers = self.client.exists([f"{self.namespace}/probe"])
-        return len(answers) == 1 and answers[0] in (0, 1)
+        answers = self._healthy_if(self.client.exists, [f"{self.namespace}/probe"])
+        self._healthy = len(answers) == 1 and answers[0] in (0, 1)
+        return self._healthy
+
+    def _healthy_if(self, call: Callable[[list[str]], list[int]], names: list[str]) -> list[int]:
+        try:
+            return call(names)
+        except Exception:
+            self._healthy = False
+            raise
 
     def maintenance(self, index: Index) -> Callable[[], Apply] | None:
         return None
@@ -264,7 +280,12 @@ class MooncakeStore:
             logger.debug("Mooncake tier: removing %d bad objects failed: %r", len(places), exc)
 
     def close(self) -> None:
-        self.client.close()
+        """Close the client; or, if the cluster stopped answering, leave it open unused:
+        Mooncake's ``close()`` holds the GIL while it waits for a dead master."""
+        if self._healthy:
+            self.client.close()
+        else:
+            self.client.abandon("the cluster did not answer the last call")
         for pool in self._pools.values():
             pool.shutdown(wait=True)
         self._pools.clear()
@@ -408,12 +429,17 @@ class MooncakeStore:
         except TierUnavailableError as exc:
             outcomes.fail_range(lo, hi, Outcome.IO_ERROR, exc, "rpc_failed")
             broken.append(exc)
+            self._healthy = False
             return None
         except Exception as exc:
             outcomes.fail_range(lo, hi, Outcome.IO_ERROR, exc, "error")
             broken.append(exc)
             return None
-        if codes and all(c < 0 and outcome_of_code(c)[1] == "rpc_failed" for c in codes):
+        failed = bool(codes) and all(
+            c < 0 and outcome_of_code(c)[1] == "rpc_failed" for c in codes
+        )
+        self._healthy = not failed
+        if failed:
             broken.append(TierUnavailableError(f"Mooncake answered {codes[0]} for every object"))
         return codes
 

@@ -1,0 +1,48 @@
+"""DaemonPool: control calls on daemon threads, one stuck call holding up neither the
+others nor the process's exit."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from aiokvo.runtime.daemons import DaemonPool
+
+
+def test_calls_run_on_daemon_threads_with_results_and_errors() -> None:
+    pool = DaemonPool(2, "t")
+    assert pool.submit(lambda: 6 * 7).result(10) == 42
+    names = pool.submit(lambda: (threading.current_thread().name,
+                                 threading.current_thread().daemon)).result(10)  # fmt: skip
+    assert names[0].startswith("t-") and names[1] is True
+    with pytest.raises(ZeroDivisionError):
+        pool.submit(lambda: 1 // 0).result(10)
+    pool.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(lambda: None)
+
+
+def test_a_stuck_call_does_not_hold_up_the_next() -> None:
+    pool = DaemonPool(2, "t")
+    gate = threading.Event()
+    stuck = pool.submit(lambda: gate.wait(60))
+    assert pool.submit(lambda: "free").result(30) == "free"
+    assert not stuck.done()
+    pool.shutdown()  # returns at once, the stuck thread is left to finish
+    gate.set()
+    assert stuck.result(30) is True
+
+
+def test_a_process_exits_with_a_call_stuck_in_the_pool() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import threading\n"
+        "from aiokvo.runtime.daemons import DaemonPool\n"
+        "p = DaemonPool(1, 'x'); p.submit(threading.Event().wait); print('exiting')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0 and b"exiting" in done.stdout
