@@ -10,7 +10,7 @@ Mooncake's ``setup()`` takes; docs/tiers.md describes every knob.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from aiokvo._settings import check_seconds
@@ -108,6 +108,11 @@ class MooncakeTierConfig(TierSettings):
     checksum_threads: int = 2
     """Threads that compute (before a put) and verify (after a get) a transfer's
     checksums together."""
+    integrity_key: str | None = field(default=None, repr=False)
+    """Opt-in: a hex AES key (16, 24 or 32 bytes) shared by the deployment. Each block
+    then carries a GMAC under it instead of a plain checksum, so a client of the
+    cluster without the key cannot plant blocks (docs/tiers.md, "Trust"). Keep it out
+    of logs and configs under version control."""
     row_trailers: bool = True
     """Keep each block's trailer in room after its CPU-pool row, so a one-tensor block
     is one buffer (Mooncake's TCP transport pays per buffer); asked for only where
@@ -167,6 +172,8 @@ class MooncakeTierConfig(TierSettings):
             self._set(name, check_seconds(name, getattr(self, name)))
         if self.rpc_timeout is not None:
             self._set("rpc_timeout", check_seconds("rpc_timeout", self.rpc_timeout))
+        if self.integrity_key is not None:
+            integrity_key_bytes(self.integrity_key)
         if self.pipeline_bytes is not None:
             self._set("pipeline_bytes",
                       check_int("pipeline_bytes", self.pipeline_bytes, minimum=1,
@@ -199,6 +206,20 @@ class MooncakeTierConfig(TierSettings):
         from aiokvo.tiers.mooncake.tier import mooncake_tier
 
         return mooncake_tier(self)
+
+
+def integrity_key_bytes(value: object) -> bytes:
+    """The AES key from its hex spelling: 16, 24 or 32 bytes (a ConfigError otherwise,
+    naming the length, never the key)."""
+    if not isinstance(value, str):
+        raise ConfigError("integrity_key must be a hex string of 16, 24 or 32 bytes")
+    try:
+        key = bytes.fromhex(value)
+    except ValueError:
+        raise ConfigError("integrity_key must be hex (0-9, a-f)") from None
+    if len(key) not in (16, 24, 32):
+        raise ConfigError(f"integrity_key is {len(key)} bytes; AES takes 16, 24 or 32")
+    return key
 
 
 def check_address(name: str, address: object) -> str:

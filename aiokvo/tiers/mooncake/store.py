@@ -45,7 +45,7 @@ from aiokvo.tiers.mooncake.client import (
     probe_master,
     route_address,
 )
-from aiokvo.tiers.mooncake.config import MooncakeTierConfig
+from aiokvo.tiers.mooncake.config import MooncakeTierConfig, integrity_key_bytes
 from aiokvo.tiers.mooncake.format import (
     INVALID_PARAMS,
     TRAILER_BYTES,
@@ -65,6 +65,7 @@ from aiokvo.tiers.store import Apply, BlockJob, StoreBinding, StoreCapabilities
 if TYPE_CHECKING:
     from aiokvo.config import OffloadConfig
     from aiokvo.layout import CanonicalKVCaches
+    from aiokvo.tiers.mooncake.keyed import KeyedTrailers
 
 __all__ = ["MooncakeStore", "MooncakeTierStatistics"]
 
@@ -174,6 +175,11 @@ class MooncakeStore:
         )
         self._healthy = True  # the cluster answered the last call
         self.namespace = ""
+        self._keyed: KeyedTrailers | None = None
+        if config.integrity_key is not None:
+            from aiokvo.tiers.mooncake.keyed import KeyedTrailers
+
+            self._keyed = KeyedTrailers(integrity_key_bytes(config.integrity_key))
         self._put_rows: BlockRows | None = None
         self._get_rows: BlockRows | None = None
         self._pools: dict[str, ThreadPoolExecutor] = {}
@@ -224,9 +230,12 @@ class MooncakeStore:
             return BlockRows(pool, layout, None if in_row else np.zeros(shape, dtype=np.uint8))
 
         self._put_rows, self._get_rows = rows(), rows()
-        self.namespace = f"{config.key_prefix}/{fingerprint.name()}"
+        name = fingerprint.name()
+        if self._keyed is not None:  # keyed objects, and each key's, live apart
+            name = f"{name}-k{self._keyed.key_id}"
+        self.namespace = f"{config.key_prefix}/{name}"
         return SeenIndex(
-            partial(object_name, config.key_prefix, fingerprint.name()),
+            partial(object_name, config.key_prefix, name),
             medium=self.medium,
             max_tracked=config.max_tracked,
             negative_ttl=config.negative_ttl,
@@ -310,16 +319,29 @@ class MooncakeStore:
         checksums = [0] * len(job)
         key_hashes = [0] * len(job)
 
+        keyed = self._keyed
+        sealed_keyed = np.zeros((len(job), TRAILER_BYTES), dtype=np.uint8) if keyed else None
+
         def checksum(i: int) -> None:
-            checksums[i] = xxh3(rows.buffers(groups[i], cpu_rows[i]))
+            buffers = rows.buffers(groups[i], cpu_rows[i])
+            if keyed is not None and sealed_keyed is not None:
+                trailer = keyed.seal(rows.layout, key_digest(job.keys[i]), buffers,
+                                     rows.payload[groups[i]])  # fmt: skip
+                sealed_keyed[i] = np.frombuffer(trailer, dtype=np.uint8)
+                return
+            checksums[i] = xxh3(buffers)
             key_hashes[i] = key_digest(job.keys[i])
 
         def seal(lo: int, hi: int) -> None:
             self._each(checksum, lo, hi, "put")
             at, of = cpu_rows[lo:hi], groups[lo:hi]
-            sealed = seal_trailers(
-                rows.layout, key_hashes[lo:hi], [rows.payload[g] for g in of], checksums[lo:hi]
-            )
+            if sealed_keyed is not None:
+                sealed = sealed_keyed[lo:hi]
+            else:
+                sealed = seal_trailers(
+                    rows.layout, key_hashes[lo:hi], [rows.payload[g] for g in of],
+                    checksums[lo:hi],
+                )  # fmt: skip
             rows.write_trailers(of, at, sealed)
             staged[lo] = rows.pointer_lists(of, at)
 
@@ -453,14 +475,26 @@ class MooncakeStore:
         whole = [code == n + TRAILER_BYTES for code, n in zip(codes, payloads, strict=True)]
         found = [0] * (hi - lo)
         key_hashes = [key_digest(k) for k in job.keys[lo:hi]]
+        raw = rows.read_trailers(groups[lo:hi], cpu_rows[lo:hi])
+        keyed = self._keyed
+        vouched = [False] * (hi - lo)
 
         def checksum(i: int) -> None:
-            if whole[i - lo]:
-                found[i - lo] = xxh3(rows.buffers(groups[i], cpu_rows[i]))
+            j = i - lo
+            if not whole[j]:
+                return
+            buffers = rows.buffers(groups[i], cpu_rows[i])
+            if keyed is not None:
+                vouched[j] = keyed.check(raw[j].tobytes(), rows.layout, key_hashes[j], buffers,
+                                         payloads[j])  # fmt: skip
+            else:
+                found[j] = xxh3(buffers)
 
         self._each(checksum, lo, hi, "get")
-        raw = rows.read_trailers(groups[lo:hi], cpu_rows[lo:hi])
-        sealed, stored = open_trailers(raw, rows.layout, key_hashes, payloads)
+        if keyed is not None:  # the tag covers trailer and payload: one verdict
+            sealed, stored = np.asarray(vouched), np.asarray(found, dtype=np.uint64)
+        else:
+            sealed, stored = open_trailers(raw, rows.layout, key_hashes, payloads)
         for j, code in enumerate(codes):
             i, name = lo + j, names[lo + j]
             if code < 0:
@@ -477,8 +511,9 @@ class MooncakeStore:
                 outcomes.fail(
                     i, Outcome.CORRUPT,
                     TierChecksumError(f"Mooncake object {name} does not carry this block's "
-                                      "trailer (another layout or key, or torn)"),
-                    "bad_trailer",
+                                      "trailer (another layout or key, torn, or not "
+                                      "written with this deployment's key)"),
+                    "bad_trailer" if keyed is None else "bad_mac",
                 )  # fmt: skip
             elif found[j] != int(stored[j]):
                 outcomes.fail(
