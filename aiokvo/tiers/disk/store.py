@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from aiokvo.errors import ConfigError, TierChecksumError, TierTimeoutError
+from aiokvo.errors import ConfigError, TierChecksumError, TierTimeoutError, TierUnavailableError
 from aiokvo.memory.ownership import OwnerIdentity, private_directory, secure_directory
 from aiokvo.tiers.base import TierStatistics
 from aiokvo.tiers.checksum import OverlappedChecksums
@@ -120,6 +121,7 @@ class DiskStore:
         self._slabs: dict[int, SlabFiles] = {}
         self._direct = self._aligned = False
         self._helpers: dict[str, ThreadPoolExecutor] = {}
+        self._lock = threading.Lock()  # open (a control thread) against close
         self._closed = False
         self._adopted = self._refreshes = self._damaged = self._refused = 0
 
@@ -193,7 +195,11 @@ class DiskStore:
         _remove_dead_probes(directory.path)
         opened = directory.open_writer()
         files = opened.files
-        self._slabs[files.number] = files
+        with self._lock:
+            if self._closed:  # closed while we were opening: nobody else will close these
+                files.close()
+                raise TierUnavailableError("the disk tier was closed while it was opening")
+            self._slabs[files.number] = files
         self._adopted = len(opened.entries)
         self._damaged += opened.damaged_entries
         self._refused += len(opened.refused_slabs)
@@ -402,12 +408,13 @@ class DiskStore:
         return True
 
     def close(self) -> None:
-        self._closed = True
+        with self._lock:
+            self._closed = True
+            slabs = list(self._slabs.values())
+            self._slabs.clear()
         for pool in self._helpers.values():
             pool.shutdown(wait=True)
         self._helpers.clear()
-        slabs = list(self._slabs.values())
-        self._slabs.clear()
         for files in slabs:
             files.close()
 

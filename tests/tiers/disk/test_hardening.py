@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -106,3 +107,46 @@ async def test_a_stuck_disk_read_does_not_hang_close(disk_tier_path: Path) -> No
     stats = tier.statistics()
     assert stats.abandoned == 1 and stats.timeouts == 1
     assert took < 30  # bounded by the deadlines, not by the stuck read
+
+
+async def test_closing_a_tier_while_it_opens_leaks_no_slab(
+    disk_tier_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiokvo.tiers.disk import slab
+
+    entered, release = threading.Event(), threading.Event()
+    real = slab.SlabDirectory.open_writer
+
+    def slow_open(self: slab.SlabDirectory) -> slab.OpenedSlab:
+        opened = real(self)  # the slab is taken (locked, files open) ...
+        entered.set()
+        release.wait(60)  # ... and the tier is closed before open() returns
+        return opened
+
+    monkeypatch.setattr(slab.SlabDirectory, "open_writer", slow_open)
+    kv = KV()
+    off = offloader(kv, disk_tier_path, cpu_blocks=4)
+    opening = asyncio.ensure_future(off.open())
+    assert await asyncio.to_thread(entered.wait, 60)
+    closing = asyncio.ensure_future(off.aclose())
+    await asyncio.sleep(0.05)
+    release.set()
+    await asyncio.wait_for(closing, 60)
+    with pytest.raises(Exception, match="closed while it was opening"):
+        await opening
+    monkeypatch.undo()
+    assert not any("slab-" in target for target in _open_files())  # every file closed
+    async with offloader(kv, disk_tier_path, cpu_blocks=4) as again:  # slab 0 is free again
+        await again.open()
+        (tier,) = again.tiers
+        assert tier.statistics().slab == 0  # type: ignore[attr-defined]
+
+
+def _open_files() -> list[str]:
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the listing's own descriptor, gone already
+            continue
+    return found
