@@ -17,12 +17,15 @@ Blocking file work, run on the tier's threads (never on the loop). The rules
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from aiokvo.errors import UnsafeFileError
 from aiokvo.keys import OffloadKey
@@ -246,19 +249,35 @@ class SlabDirectory:
         return SlabFiles(number, self.geometry, index_fd, data_fd, direct_fd, writer)
 
     def _read_entries(self, fd: int, num_slots: int) -> tuple[list[AdoptedEntry], int]:
-        raw = memoryview(os.pread(fd, num_slots * ENTRY_BYTES, HEADER_PAGE))
+        """The committed entries of ``num_slots`` slots (and how many are damaged).
+
+        The cost follows the entries written, not the capacity: the index file
+        is sparse until slots are used, so only its data extents are read
+        (``SEEK_DATA`` / ``SEEK_HOLE``), in chunks, and free entries are skipped
+        by one numpy pass per chunk before any is unpacked.
+        """
         entries: list[AdoptedEntry] = []
         damaged = 0
         check = self._check_entry
-        for slot in range(len(raw) // ENTRY_BYTES):
-            chunk = raw[slot * ENTRY_BYTES : (slot + 1) * ENTRY_BYTES]
-            if chunk == FREE_ENTRY:
-                continue
-            entry = unpack_entry(chunk)
-            if isinstance(entry, Entry) and check(entry):
-                entries.append(AdoptedEntry(slot, entry.key, entry.checksum, entry.generation))
-            elif entry is not None:
-                damaged += 1
+        end = HEADER_PAGE + num_slots * ENTRY_BYTES
+        for start, stop in _data_extents(fd, HEADER_PAGE, end):
+            # Whole entries only: an extent's edges need not fall on entry boundaries.
+            lo = HEADER_PAGE + (start - HEADER_PAGE) // ENTRY_BYTES * ENTRY_BYTES
+            hi = min(end, HEADER_PAGE + -(-(stop - HEADER_PAGE) // ENTRY_BYTES) * ENTRY_BYTES)
+            for at in range(lo, hi, _READ_CHUNK):
+                raw = os.pread(fd, min(_READ_CHUNK, hi - at), at)
+                table = np.frombuffer(raw, dtype=np.uint8)
+                table = table[: len(table) // ENTRY_BYTES * ENTRY_BYTES].reshape(-1, ENTRY_BYTES)
+                first = (at - HEADER_PAGE) // ENTRY_BYTES
+                for row in np.flatnonzero(table.any(axis=1)).tolist():
+                    entry = unpack_entry(table[row].tobytes())
+                    slot = first + row
+                    if isinstance(entry, Entry) and check(entry):
+                        entries.append(
+                            AdoptedEntry(slot, entry.key, entry.checksum, entry.generation)
+                        )
+                    elif entry is not None:
+                        damaged += 1
         return entries, damaged
 
     # ------------------------------------------------------------ writing
@@ -363,3 +382,29 @@ def _try_lock(fd: int) -> bool:
     except BlockingIOError:
         return False
     return True
+
+
+_READ_CHUNK = 1 << 20  # bytes of index read at once (a multiple of ENTRY_BYTES)
+
+
+def _data_extents(fd: int, start: int, end: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of ``fd`` cut to the ranges that hold data (not holes); the
+    whole range where the filesystem cannot tell."""
+    extents: list[tuple[int, int]] = []
+    at = start
+    try:
+        while at < end:
+            try:
+                data = os.lseek(fd, at, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # no data past here
+                    break
+                raise
+            if data >= end:
+                break
+            hole = min(os.lseek(fd, data, os.SEEK_HOLE), end)
+            extents.append((data, hole))
+            at = hole
+    except OSError:  # SEEK_DATA not supported here: read it all
+        return [(start, end)]
+    return extents

@@ -150,3 +150,30 @@ def _open_files() -> list[str]:
         except OSError:  # the listing's own descriptor, gone already
             continue
     return found
+
+
+async def test_opening_reads_the_entries_written_not_the_whole_capacity(
+    disk_tier_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kv = KV()
+    slots = 1 << 20  # a 128 MiB index (an 8 GiB tier of 8 KiB blocks), sparse on disk
+    ks = keys("few", 3)
+    async with offloader(kv, disk_tier_path, cpu_blocks=4, slots=slots) as off:
+        await fill(off, kv, ks)
+    read = 0
+    real_pread = os.pread
+
+    def counting(fd: int, n: int, offset: int) -> bytes:
+        nonlocal read
+        data = real_pread(fd, n, offset)
+        read += len(data)
+        return data
+
+    monkeypatch.setattr(os, "pread", counting)
+    async with offloader(kv, disk_tier_path, cpu_blocks=4, slots=slots) as off:
+        await off.open()
+        (tier,) = off.tiers
+        assert tier.statistics().adopted_blocks == 3  # type: ignore[attr-defined]
+        kv.clear(range(3))
+        assert await off.load_prefix(ks, [0, 1, 2]) == 3 and kv.holds([0, 1, 2], ks)
+    assert read < 8 << 20, read  # the written extent, not 128 MiB of index
