@@ -65,6 +65,7 @@ from aiokvo.specs import (
     TransferResult,
 )
 from aiokvo.tiers.base import Tier, TierBinding
+from aiokvo.tiers.registry import build_tier
 
 __all__ = ["Offloader"]
 
@@ -704,7 +705,7 @@ class Offloader(AsyncResource):
 def _tiers(config: OffloadConfig, tiers: Sequence[Tier] | None) -> list[Tier]:
     """The tier objects: those given, or built from ``config.tiers`` (not both)."""
     if tiers is None:
-        return [settings.build() for settings in config.tiers]
+        return [build_tier(settings) for settings in config.tiers]
     if isinstance(tiers, Tier) or not isinstance(tiers, Sequence):
         raise ConfigError(f"tiers must be a list of Tier objects, got {tiers!r}")
     if config.tiers:

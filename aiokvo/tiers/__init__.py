@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from aiokvo.tiers.disk.files import FileIO
     from aiokvo.tiers.fingerprint import LayoutFingerprint
     from aiokvo.tiers.mooncake import MooncakeTier, MooncakeTierConfig, MooncakeTierStatistics
-    from aiokvo.tiers.registry import register_tier_kind, tier_config_from_dict
+    from aiokvo.tiers.registry import build_tier, register_tier_kind, tier_config_from_dict
 
 __all__ = [
     "Admission",
@@ -42,6 +42,7 @@ __all__ = [
     "TierLoad",
     "TierStatistics",
     "TierStore",
+    "build_tier",
     "register_tier_kind",
     "tier_config_from_dict",
 ]
@@ -64,6 +65,7 @@ _WHERE = {
     "TierLoad": "aiokvo.tiers.base",
     "TierStatistics": "aiokvo.tiers.base",
     "TierStore": "aiokvo.tiers.base",
+    "build_tier": "aiokvo.tiers.registry",
     "register_tier_kind": "aiokvo.tiers.registry",
     "tier_config_from_dict": "aiokvo.tiers.registry",
 }

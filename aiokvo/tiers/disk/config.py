@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from aiokvo._settings import check_seconds
 from aiokvo._util import check_choice, check_int
 from aiokvo.errors import ConfigError
 from aiokvo.tiers.disk.runs import DEFAULT_MAX_IO_BYTES, DEFAULT_READ_THREADS
 from aiokvo.tiers.settings import MAX_BYTES, TierSettings
-
-if TYPE_CHECKING:
-    from aiokvo.tiers.base import Tier
 
 __all__ = ["FSYNC_POLICIES", "DiskTierConfig", "FsyncPolicy"]
 
@@ -78,10 +75,3 @@ class DiskTierConfig(TierSettings):
                   check_int("max_io_bytes", self.max_io_bytes, minimum=1, maximum=1 << 30))
         self._set("read_threads", check_int("read_threads", self.read_threads, minimum=1,
                                             maximum=64))  # fmt: skip
-
-    def build(self) -> Tier:
-        """A disk tier with these settings."""
-        import importlib  # by name: the tier (I/O) is above its settings (pure)
-
-        tier: Tier = importlib.import_module("aiokvo.tiers.disk.tier").disk_tier(self)
-        return tier

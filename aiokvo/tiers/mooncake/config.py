@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from aiokvo._settings import check_seconds
 from aiokvo._util import check_int, check_text
 from aiokvo.errors import ConfigError
 from aiokvo.tiers.settings import MAX_BYTES, TierSettings
-
-if TYPE_CHECKING:
-    from aiokvo.tiers.base import Tier
 
 __all__ = ["MooncakeTierConfig", "SetupSettings"]
 
@@ -201,11 +198,6 @@ class MooncakeTierConfig(TierSettings):
             client_http_port=self.client_http_port,
         )
 
-    def build(self) -> Tier:
-        """A Mooncake tier with these settings."""
-        from aiokvo.tiers.mooncake.tier import mooncake_tier
-
-        return mooncake_tier(self)
 
 
 def integrity_key_bytes(value: object) -> bytes:
