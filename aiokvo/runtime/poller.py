@@ -110,31 +110,36 @@ _BACKOFF_STEP = 0.001  # asyncio cannot sleep for less than about a millisecond
 class PollerStatistics:
     """One poller's state now and its counters since it was made.
 
-    ``pending`` sources are watched and not yet reported; ``polled_lanes``
-    (``spin``/``adaptive``), ``waiter_lanes`` (``thread`` mode, one waiter
-    thread each, ``active_threads`` of them alive) and ``notified_lanes``
-    (sources that wake the loop themselves) hold them. ``fallback_armed`` is
-    true while the loop's 1 ms safety poll of ``thread``-mode lanes is
-    scheduled (only while something is pending there). ``delivered``
-    completions were reported to their callbacks, ``callback_errors`` of those
-    callbacks raised (each went to the loop's exception handler), and
-    ``fallback_polls`` counts the safety polls that ran. ``dropped_on_stop``
-    callbacks were never run because the loop closed (or was collected)
-    while their sources were pending; closing the poller itself drops none.
+    Pending sources sit in the lanes counted by ``polled_lanes``,
+    ``waiter_lanes`` and ``notified_lanes``.
     """
 
     mode: PollerMode
+    """How the poller waits by default: ``"spin"``, ``"adaptive"`` or ``"thread"``."""
     closed: bool = False
+    """``close()`` was called: new sources are refused, those already watched still reported."""
     pending: int = 0
+    """Sources watched and not yet reported."""
     polled_lanes: int = 0
+    """Lanes the loop polls itself (``spin`` and ``adaptive``)."""
     waiter_lanes: int = 0
+    """``thread``-mode lanes, each with one waiter thread."""
     notified_lanes: int = 0
+    """Lanes whose sources wake the loop themselves (no waiter thread)."""
     active_threads: int = 0
+    """Waiter threads alive now."""
     fallback_armed: bool = False
+    """The loop's 1 ms safety poll of ``thread``-mode lanes is scheduled (only while
+    something is pending there)."""
     delivered: int = 0
+    """Completions reported to their callbacks."""
     callback_errors: int = 0
+    """Delivered callbacks that raised (each went to the loop's exception handler)."""
     fallback_polls: int = 0
+    """Safety polls of ``thread``-mode lanes that ran."""
     dropped_on_stop: int = 0
+    """Callbacks never run because the loop closed (or was collected) while their
+    sources were pending; closing the poller itself drops none."""
 
 
 def resolve_poller_mode(mode: str | None = None) -> PollerMode:
