@@ -17,26 +17,25 @@ __all__ = ["HandlerStatistics", "WorkerStatistics"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HandlerStatistics:
-    """One handler's transfers since it was made.
-
-    ``transfer_type`` is its direction (``("GPU", "CPU")``), or None for a
-    handler that does not have a single one. ``completed`` transfers finished,
-    ``failed`` of them unsuccessfully; ``in_flight`` are submitted and not
-    finished (so ``completed + in_flight`` were submitted). ``bytes`` and
-    ``seconds`` add up the size and copy time of the *successful* transfers.
-    ``buffered_results`` wait unread in the handler's own finished stream
-    (always 0 once a worker took its results over) and ``dropped_results``
-    were discarded unread (every result, with ``max_buffered=0``).
-    """
+    """One handler's transfers since it was made."""
 
     transfer_type: TransferType | None = None
+    """Its direction (``("GPU", "CPU")``), or None for a handler without a single one."""
     completed: int = 0
+    """Transfers finished (so ``completed + in_flight`` were submitted)."""
     failed: int = 0
+    """Finished transfers that did not succeed."""
     in_flight: int = 0
+    """Transfers submitted and not finished."""
     bytes: int = 0
+    """Size of the *successful* transfers, summed."""
     seconds: float = 0.0
+    """Copy time of the *successful* transfers, summed."""
     buffered_results: int = 0
+    """Results waiting unread in the handler's own finished stream (always 0 once a
+    worker took its results over)."""
     dropped_results: int = 0
+    """Results discarded unread (every result, with ``max_buffered=0``)."""
 
     @property
     def submitted(self) -> int:
@@ -46,17 +45,15 @@ class HandlerStatistics:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerStatistics:
-    """The worker's own counters and each registered handler's snapshot.
-
-    ``in_flight`` transfers routed and not finished; ``submit_failures``
-    transfers a handler failed to enqueue (reported as failed results, not
-    raised). ``buffered_results`` / ``dropped_results`` describe the worker's
-    merged finished stream. ``handlers`` lists each handler once, in
-    registration order.
-    """
+    """The worker's own counters and each registered handler's snapshot."""
 
     in_flight: int = 0
+    """Transfers routed and not finished."""
     submit_failures: int = 0
+    """Transfers a handler failed to enqueue (reported as failed results, not raised)."""
     buffered_results: int = 0
+    """Results waiting unread in the worker's merged finished stream."""
     dropped_results: int = 0
+    """Results the worker's merged finished stream discarded unread."""
     handlers: tuple[HandlerStatistics, ...] = ()
+    """Each registered handler's snapshot, once, in registration order."""

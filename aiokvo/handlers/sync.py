@@ -48,6 +48,7 @@ class SyncWorkerStatistics:
     retried: int = 0
     """Resubmissions after a failed copy."""
     succeeded: int = 0
+    """Transfers reported successful (after any retries)."""
     failed: int = 0
     """Transfers reported failed, after their retries."""
 
