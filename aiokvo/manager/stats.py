@@ -17,44 +17,47 @@ __all__ = ["ManagerStatistics"]
 class ManagerStatistics:
     """A manager's counters since it was made, and its pool at this instant.
 
-    Lookups (``lookup`` and ``lookup_prefix`` calls alike):
-
-    * ``lookups``: calls; ``lookup_hits``: keys reported ready, summed;
-    * ``lookup_misses``: calls that stopped at a key that is not offloaded;
-    * ``lookup_in_flight``: calls answered ``None`` (a store still running).
-
-    Loads: ``loads`` ``prepare_load`` calls pinning ``blocks_pinned`` keys in
-    all. Stores: ``stores`` ``prepare_store`` calls, ``stores_refused`` of them
-    answered ``None`` (no room); ``blocks_reserved`` keys reserved, of which
-    ``blocks_stored`` were completed successfully and ``blocks_store_failed``
-    released after a failed copy; ``blocks_evicted`` keys evicted to make room.
-
-    The pool now: ``num_blocks`` in all, ``used_blocks`` held (ready or being
-    written), ``free_blocks``, ``writing_blocks`` (stores in flight) and
-    ``pinned_blocks`` (blocks with at least one pending load).
-
-    A :class:`~aiokvo.manager.FilterReusedOffloadingManager` adds
-    ``reuse_tracked_keys`` (keys in its counter now) and
-    ``reuse_filtered_blocks`` (keys it kept from ``prepare_store``); for other
-    managers both are 0. A manager that keeps no counters reports zeros.
+    The lookup fields count ``lookup`` and ``lookup_prefix`` calls alike. A
+    manager that keeps no counters reports zeros.
     """
 
     num_blocks: int = 0
+    """Blocks in the pool, in all."""
     used_blocks: int = 0
+    """Blocks held now (ready or being written)."""
     free_blocks: int = 0
+    """Blocks free now."""
     writing_blocks: int = 0
+    """Blocks being written now (stores in flight)."""
     pinned_blocks: int = 0
+    """Blocks with at least one pending load now."""
     lookups: int = 0
+    """Lookup calls."""
     lookup_hits: int = 0
+    """Keys lookups reported ready, summed."""
     lookup_misses: int = 0
+    """Lookup calls that stopped at a key that is not offloaded."""
     lookup_in_flight: int = 0
+    """Lookup calls answered ``None`` (a store still running)."""
     loads: int = 0
+    """``prepare_load`` calls."""
     blocks_pinned: int = 0
+    """Keys those ``prepare_load`` calls pinned, in all."""
     stores: int = 0
+    """``prepare_store`` calls."""
     stores_refused: int = 0
+    """``prepare_store`` calls answered ``None`` (no room)."""
     blocks_reserved: int = 0
+    """Keys ``prepare_store`` reserved."""
     blocks_stored: int = 0
+    """Reserved keys whose store completed successfully."""
     blocks_store_failed: int = 0
+    """Reserved keys released after a failed copy."""
     blocks_evicted: int = 0
+    """Keys evicted to make room."""
     reuse_tracked_keys: int = 0
+    """Keys in a :class:`~aiokvo.manager.FilterReusedOffloadingManager`'s counter now
+    (0 for other managers)."""
     reuse_filtered_blocks: int = 0
+    """Keys a :class:`~aiokvo.manager.FilterReusedOffloadingManager` kept from
+    ``prepare_store`` (0 for other managers)."""
