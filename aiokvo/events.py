@@ -49,14 +49,18 @@ SubscriptionItem: TypeAlias = OffloadingEvent | Lagged
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SubscriptionStatistics:
-    """One subscription now: ``queued`` of at most ``maxsize`` events buffered,
-    ``dropped`` events lost to ``overflow`` over its life, ``closed`` or not."""
+    """One subscription now, and the events it lost over its life."""
 
     maxsize: int
+    """Most events buffered at once."""
     overflow: OverflowPolicy
+    """Which event is dropped when the buffer is full: ``"drop_oldest"`` or ``"drop_newest"``."""
     queued: int = 0
+    """Events buffered now (``Lagged`` markers not counted)."""
     dropped: int = 0
+    """Events lost to ``overflow`` over the subscription's life."""
     closed: bool = False
+    """``close()`` ran (buffered events may still be readable)."""
 
 
 class _Gap:

@@ -32,16 +32,20 @@ BreakerState = Literal["closed", "open", "half_open"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BreakerStatistics:
-    """The breaker now (``state``, ``consecutive_failures``) and over its life:
-    ``trips`` (closed or half-open -> open), ``rejected`` operations turned away,
-    ``failures`` and ``successes`` recorded."""
+    """The breaker now (its state, its failures in a row) and its counters over its life."""
 
     state: BreakerState = "closed"
+    """``"closed"``, ``"open"`` or ``"half_open"`` now."""
     consecutive_failures: int = 0
+    """Failures recorded in a row now."""
     trips: int = 0
+    """Times it opened (from closed or half-open)."""
     rejected: int = 0
+    """Operations turned away."""
     failures: int = 0
+    """Failures recorded."""
     successes: int = 0
+    """Successes recorded."""
 
 
 def _check_seconds(name: str, value: object) -> float:
