@@ -283,22 +283,28 @@ class _Scrape:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OffloadMetricsStatistics:
-    """An :class:`OffloadMetrics` now: ``scrapes`` collected, ``stale_scrapes`` of
-    them served the previous snapshot; ``drains`` of the streams, which brought
-    ``results`` and ``events`` in, with ``queued_results`` / ``queued_events``
-    waiting for the next and ``dropped_results`` / ``dropped_events`` lost to
-    a full buffer (``max_stream``); ``closed``."""
+    """An :class:`OffloadMetrics` now, and its scrapes and stream drains so far."""
 
     scrapes: int = 0
+    """Scrapes collected."""
     stale_scrapes: int = 0
+    """Scrapes that served the previous snapshot."""
     drains: int = 0
+    """Drains of the result and event streams."""
     results: int = 0
+    """Transfer results the drains brought in."""
     events: int = 0
+    """Manager events the drains brought in."""
     queued_results: int = 0
+    """Results waiting for the next drain."""
     queued_events: int = 0
+    """Events waiting for the next drain."""
     dropped_results: int = 0
+    """Results lost to a full buffer (``max_stream``)."""
     dropped_events: int = 0
+    """Events lost to a full buffer (``max_stream``)."""
     closed: bool = False
+    """``close()`` ran: the collector is unregistered and the streams detached."""
 
 
 # -- the collector --------------------------------------------------------------------
