@@ -50,39 +50,53 @@ class UnknownConfigKeyWarning(UserWarning):
 class OffloadConfig:
     """Everything needed to build an offloading spec, checked up front.
 
-    ``gpu_block_sizes`` holds the tokens per GPU block of each KV-cache group;
-    ``kv_bytes_per_block`` is the KV bytes of one GPU block on one rank (all
-    layers and groups), so one offloaded block costs
-    ``kv_bytes_per_block * world_size * block_size_factor`` bytes of CPU memory.
-    ``store_threshold`` of 0 or 1 stores everything; 2 or more stores a block
-    only once it was looked up that many times (``FilterReusedOffloadingManager``).
-    ``instance_id`` (the engine's id, the same on every rank) makes the CPU
-    pool one shared region that all ``world_size`` ranks map, each as
-    ``rank``; without it every rank has a private pool. ``recency`` and
-    ``store_counting`` pick the seed's rules (the defaults, ``"touch"`` and
-    ``"lookups"``) or vLLM 0.32's (``"request"`` and ``"offers"``); see
-    docs/manager.md. ``tiers`` are the settings of the tiers below the CPU
-    pool, top first (e.g. a :class:`~aiokvo.tiers.DiskTierConfig`); the
-    Offloader builds them when it is not handed tier objects.
+    The engine supplies the KV facts (block sizes, bytes per block, ranks), the
+    user the budget and the policy; docs/config.md gives each field's rule.
     """
 
     gpu_block_sizes: tuple[int, ...]
+    """Tokens per GPU block of each KV-cache group."""
     hash_block_size: int
+    """Tokens per prefix-cache hash block (each GPU block size a multiple of it)."""
     cpu_bytes_to_use: int
+    """CPU memory budget for the pool, in bytes."""
     kv_bytes_per_block: int
+    """KV bytes of one GPU block on one rank (all layers and groups), so one offloaded
+    block costs ``kv_bytes_per_block * world_size * block_size_factor`` bytes of CPU memory."""
     offloaded_block_size: int | None = None
+    """Tokens per offloaded block, a multiple of the one GPU block size every group
+    shares (None: the GPU block's)."""
     eviction_policy: str = "lru"
+    """The pool's eviction policy (``"lru"``, ``"arc"`` or a policy module path)."""
     store_threshold: int = 0
+    """0 or 1 stores everything; 2 or more stores a block only once it was looked up
+    that many times (``FilterReusedOffloadingManager``)."""
     max_tracker_size: int = 64_000
+    """Keys the reuse filter's counter holds at most."""
     recency: Recency = "touch"
+    """``"touch"`` (the seed's rule, the default) or ``"request"`` (vLLM 0.32's); see
+    docs/manager.md."""
     store_counting: Counting = "lookups"
+    """What the reuse filter counts: ``"lookups"`` (the seed's, the default) or
+    ``"offers"`` (vLLM 0.32's); see docs/manager.md."""
     enable_events: bool = False
+    """Record the manager's events for ``take_events()``."""
     world_size: int = 1
+    """Ranks whose KV goes into one CPU pool."""
     rank: int = 0
+    """This process's rank among ``world_size``."""
     instance_id: str | None = None
+    """The engine's id, the same on every rank: the CPU pool becomes one shared region
+    that all ``world_size`` ranks map, each as ``rank`` (None: every rank has a
+    private pool)."""
     spec_name: str = "CPUOffloadingSpec"
+    """The spec the factory builds."""
     spec_module_path: str | None = None
+    """Where to find ``spec_name`` when it is not registered."""
     tiers: tuple[TierConfig, ...] = ()
+    """The settings of the tiers below the CPU pool, top first (e.g. a
+    :class:`~aiokvo.tiers.DiskTierConfig`); the Offloader builds them when it is
+    not handed tier objects."""
 
     def __post_init__(self) -> None:
         sizes: object = self.gpu_block_sizes  # callers may pass a list
