@@ -141,9 +141,7 @@ class OffloadConfig:
         if isinstance(tiers, str | bytes) or not isinstance(tiers, Sequence):
             raise ConfigError(f"tiers must be a sequence of tier configs, got {tiers!r}")
         for tier in tiers:
-            if not (isinstance(getattr(tier, "kind", None), str) and callable(
-                getattr(tier, "build", None)
-            )):  # fmt: skip
+            if not isinstance(getattr(tier, "kind", None), str) or not tier.kind:
                 raise ConfigError(
                     f"tiers entries must be tier configs (e.g. DiskTierConfig), got {tier!r}"
                 )
