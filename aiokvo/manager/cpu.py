@@ -39,9 +39,17 @@ from aiokvo.keys import (
     key_sequence,
 )
 from aiokvo.manager.base import OffloadingManager, StoreRefusal
-from aiokvo.manager.policies.base import RECENCY_MODES, WRITING, BlockStatus, CachePolicy, Recency
+from aiokvo.manager.policies.base import (
+    RECENCY_MODES,
+    WRITING,
+    BlockStatus,
+    CachePolicy,
+    Evicted,
+    Recency,
+)
 from aiokvo.manager.policies.registry import resolve_policy
 from aiokvo.manager.requests import KeyPosition, finish_access, request_access
+from aiokvo.manager.retention import Retention
 from aiokvo.manager.sink import EventSink
 from aiokvo.manager.stats import ManagerStatistics
 from aiokvo.specs import (
@@ -135,6 +143,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._blocks_store_failed = 0
         self._blocks_evicted = 0
         self._refusal: StoreRefusal | None = None
+        self._retention: Retention | None = None
 
     # -- introspection ---------------------------------------------------------
 
@@ -396,7 +405,11 @@ class CPUOffloadingManager(OffloadingManager):
                 exclude.append(self._writing)
             if self._pinned:
                 exclude.append(self._pinned)
-            evicted = self._policy.evict(shortfall, exclude)
+            retention = self._retention
+            if retention is not None and len(retention):
+                evicted = self._evict_around(shortfall, exclude, retention)
+            else:
+                evicted = self._policy.evict(shortfall, exclude)
             if evicted is None:
                 self._stores_refused += 1
                 self._refusal = StoreRefusal(len(new_keys), free, self._num_blocks)
@@ -417,6 +430,54 @@ class CPUOffloadingManager(OffloadingManager):
         if self._by_request:
             request_access(req_context, self, self._generation).inserted.update(new_keys)
         return PrepareStoreOutput(new_keys, _cpu_spec(block_ids), evicted_keys, reservation)
+
+    def _evict_around(
+        self, n: int, exclude: list[Container[OffloadKey]], retention: Retention
+    ) -> Evicted | None:
+        """``n`` victims, unretained blocks first, then retained ones, lowest priority
+        first (each stage in the policy's own order); all or nothing."""
+        bands = retention.bands()
+        policy = self._policy
+        victims: list[OffloadKey] = []
+        ids: list[int] = []
+        # Stage k protects the k highest bands: all of them first, then fewer.
+        for kept in range(len(bands), -1, -1):
+            left = n - len(victims)
+            stage = exclude + bands[:kept]
+            taken = policy.evict(left, stage) if kept == 0 else self._evict_some(left, stage)
+            if taken is not None:
+                victims += taken[0]
+                ids += taken[1]
+            if len(victims) == n:
+                retention.evicted_retained += sum(1 for k in victims if k in retention)
+                return victims, ids
+        if victims:  # the last stage could not finish: put the first stages' back
+            policy.insert(victims, ids)
+        return None
+
+    def _evict_some(self, n: int, exclude: list[Container[OffloadKey]]) -> Evicted | None:
+        """Up to ``n`` victims outside ``exclude``: as many as the policy gives (an
+        all-or-nothing policy is asked for fewer each time it says no)."""
+        victims: list[OffloadKey] = []
+        ids: list[int] = []
+        want = n
+        while want > 0 and len(victims) < n:
+            taken = self._policy.evict(want, exclude)
+            if taken is None:
+                want //= 2
+                continue
+            victims += taken[0]
+            ids += taken[1]
+            want = min(want, n - len(victims))
+        return (victims, ids) if victims else None
+
+    def set_retention(self, retention: Retention | None) -> None:
+        """Evict the blocks ``retention`` holds after all others (None: no retention)."""
+        self._retention = retention
+
+    @property
+    def retention(self) -> Retention | None:
+        return self._retention
 
     def _record_offer(
         self, named: dict[OffloadKey, None], new_keys: list[OffloadKey], req_context: ReqContext
