@@ -17,7 +17,9 @@ from aiokvo.keys import OffloadKey
 from aiokvo.tiers import DiskTier, DiskTierConfig
 from aiokvo.tiers.disk.format import ENTRY_BYTES, HEADER_PAGE
 from aiokvo.tiers.disk.runs import IOV_MAX
-from tests.tiers.disk._util import KV, FaultyIO, data_file, fill, keys, offloader
+from aiokvo.tiers.engine import StoreTier
+from tests.tiers.disk._util import KV, FaultyIO, data_file, fill, is_disk_tier, keys, offloader
+from tests.tiers.mooncake._support import eventually
 
 
 def drain_events(sub: EventSubscription) -> list[OffloadingEvent]:
@@ -62,8 +64,8 @@ async def test_a_flipped_byte_is_a_counted_evented_removed_miss(disk_tier_path: 
         await fill(off, kv, ks[:4])
         await fill(off, kv, ks[4:], start=4)  # the first four now live on disk only
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
-        slot = tier.state.slots.slot_of(ks[2])
+        assert is_disk_tier(tier)
+        slot = tier.index.slots.slot_of(ks[2])
         assert slot is not None
         with open(data_file(tier), "r+b") as f:  # flip one byte of key 2's block
             f.seek(slot * kv.slot_bytes() + 1000)
@@ -78,7 +80,7 @@ async def test_a_flipped_byte_is_a_counted_evented_removed_miss(disk_tier_path: 
         stats = off.statistics()
         assert stats.tiers[0].checksum_failures == 1
         assert stats.tiers[0].removals == 1
-        assert not tier.state.holds(ks[2])
+        assert not tier.index.holds(ks[2])
         removed = [e for e in drain_events(sub) if e.medium == "DISK" and e.removed]
         assert [e.keys for e in removed] == [[ks[2]]]
         assert stats.manager.writing_blocks == 0 and stats.manager.pinned_blocks == 0
@@ -86,13 +88,13 @@ async def test_a_flipped_byte_is_a_counted_evented_removed_miss(disk_tier_path: 
     # Removed on disk too: a new process does not adopt it.
     async with offloader(kv, disk_tier_path, cpu_blocks=4) as off:
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
-        assert not tier.state.holds(ks[2])
-        assert tier.state.holds(ks[3])
+        assert is_disk_tier(tier)
+        assert not tier.index.holds(ks[2])
+        assert tier.index.holds(ks[3])
 
 
-def _slots(tier: DiskTier, ks: list[OffloadKey]) -> list[int]:
-    slots = [tier.state.slots.slot_of(k) for k in ks]
+def _slots(tier: StoreTier, ks: list[OffloadKey]) -> list[int]:
+    slots = [tier.index.slots.slot_of(k) for k in ks]
     assert all(s is not None for s in slots)
     return slots  # type: ignore[return-value]
 
@@ -113,7 +115,7 @@ async def test_adjacent_slots_move_in_one_call_each_way(
         assert io.writes == calls
         await fill(off, kv, ks[4:], start=4)  # ks[:4] now on disk only
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
+        assert is_disk_tier(tier)
         first = _slots(tier, ks[:4])[0]
         assert _slots(tier, ks[:4]) == list(range(first, first + 4))
         kv.clear(range(64))
@@ -134,11 +136,11 @@ async def test_slots_freed_together_come_back_descending_and_are_written_in_one_
         kv, disk_tier_path, cpu_blocks=4, slots=4, file_io=io, max_write_blocks=4
     ) as off:
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
+        assert is_disk_tier(tier)
         await fill(off, kv, old)
         writes = io.writes
         await fill(off, kv, new, start=4)  # evicts the old four from the tier's four slots
-        assert not any(tier.state.holds(k) for k in old)
+        assert not any(tier.index.holds(k) for k in old)
         slots = _slots(tier, new)
         assert slots == sorted(slots, reverse=True) == list(range(slots[0], slots[0] - 4, -1))
         assert io.writes - writes == 1  # one pwritev, its iovecs in file order
@@ -158,7 +160,7 @@ async def test_a_data_file_cut_mid_run_serves_the_blocks_before_the_cut(
         await fill(off, kv, ks[:4])
         await fill(off, kv, ks[4:], start=4)  # ks[:4] now on disk only, in adjacent slots
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
+        assert is_disk_tier(tier)
         slots = _slots(tier, ks[:4])
         assert slots == list(range(slots[0], slots[0] + 4))
         os.truncate(data_file(tier), slots[2] * kv.slot_bytes())  # the file ends before key 2
@@ -167,8 +169,8 @@ async def test_a_data_file_cut_mid_run_serves_the_blocks_before_the_cut(
         assert kv.holds([30, 31], ks[:2])
         stats = off.statistics().tiers[0]
         assert stats.read_failures == 2 and stats.checksum_failures == 0
-        assert tier.state.holds(ks[0]) and tier.state.holds(ks[1])
-        assert not tier.state.holds(ks[2]) and not tier.state.holds(ks[3])
+        assert tier.index.holds(ks[0]) and tier.index.holds(ks[1])
+        assert not tier.index.holds(ks[2]) and not tier.index.holds(ks[3])
 
 
 @pytest.mark.parametrize("read_threads", [1, 3])
@@ -185,8 +187,8 @@ async def test_a_big_promotion_read_by_several_threads_verifies_every_block(
         await fill(off, kv, ks[:16])
         await fill(off, kv, ks[16:], start=16)  # ks[:16] now on disk only
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
-        slot = tier.state.slots.slot_of(ks[12])
+        assert is_disk_tier(tier)
+        slot = tier.index.slots.slot_of(ks[12])
         assert slot is not None
         with open(data_file(tier), "r+b") as f:  # flip one byte of key 12's block
             f.seek(slot * kv.slot_bytes() + 5000)
@@ -195,13 +197,19 @@ async def test_a_big_promotion_read_by_several_threads_verifies_every_block(
             f.write(bytes([byte[0] ^ 0x01]))
         kv.clear(range(64))
         reads, io.reader_threads = io.reads, set()
-        assert await off.load_prefix(ks[:16], list(range(40, 56))) == 12
+        # The disk holds every read until each share's thread has asked for one (so no
+        # thread can finish its share and take the next before the others start).
+        io.read_gate.clear()
+        load = asyncio.ensure_future(off.load_prefix(ks[:16], list(range(40, 56))))
+        await eventually(lambda: len(io.reader_threads) == read_threads, "every read thread")
+        io.read_gate.set()
+        assert await load == 12
         assert kv.holds(range(40, 52), ks[:12])
         assert io.reads - reads == 16  # every block was read (and all but one verified good)
         assert len(io.reader_threads) == read_threads
         stats = off.statistics().tiers[0]
         assert stats.checksum_failures == 1 and stats.blocks_read == 15
-        assert not tier.state.holds(ks[12]) and tier.state.holds(ks[13])
+        assert not tier.index.holds(ks[12]) and tier.index.holds(ks[13])
         assert off.statistics().manager.pinned_blocks == 0
 
 
@@ -211,21 +219,21 @@ async def test_another_layout_or_model_never_reads_the_blocks(disk_tier_path: Pa
     async with offloader(kv, disk_tier_path) as off:
         await fill(off, kv, ks)
         ours = off.tiers[0]
-        assert isinstance(ours, DiskTier)
-        our_dir = ours.directory
+        assert is_disk_tier(ours)
+        our_dir = ours.store.directory
     async with offloader(kv, disk_tier_path, model_id="another-model") as off:
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
-        assert tier.directory != our_dir
+        assert is_disk_tier(tier)
+        assert tier.store.directory != our_dir
         assert await off.load_prefix(ks, [10, 11, 12, 13]) == 0
-        other_dir = tier.directory
+        other_dir = tier.store.directory
     # Our slab copied under the other model's name: its header names our layout.
     for name in os.listdir(our_dir):
         shutil.copy(our_dir / name, other_dir / name.replace("0000", "0001"))
         os.chmod(other_dir / name.replace("0000", "0001"), 0o600)
     async with offloader(kv, disk_tier_path, model_id="another-model") as off:
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
+        assert is_disk_tier(tier)
         assert await off.load_prefix(ks, [10, 11, 12, 13]) == 0
         assert tier.statistics().refused_slabs >= 1
 
@@ -238,16 +246,17 @@ async def test_capacity_is_honoured_exactly_and_eviction_is_evented(disk_tier_pa
         for i in range(0, 30, 3):
             await fill(off, kv, ks[i : i + 3], start=i)
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
+        assert is_disk_tier(tier)
         stats = tier.statistics()
         assert stats.capacity_blocks == 10 and stats.used_blocks == 10
         assert stats.evictions == 20
-        on_disk = sum(os.stat(tier.directory / n).st_size for n in os.listdir(tier.directory))
-        assert on_disk <= tier.config.capacity_bytes
+        directory = tier.store.directory
+        on_disk = sum(os.stat(directory / n).st_size for n in os.listdir(directory))
+        assert on_disk <= tier.store.config.capacity_bytes
         events = drain_events(sub)
         gone = [k for e in events if e.medium == "DISK" and e.removed for k in e.keys]
         assert sorted(gone) == sorted(ks[:20])  # LRU: the oldest went
-        assert all(tier.state.holds(k) for k in ks[20:])
+        assert all(tier.index.holds(k) for k in ks[20:])
 
 
 async def test_enospc_fails_the_store_cleanly_and_shrinks_nothing(disk_tier_path: Path) -> None:
@@ -257,7 +266,7 @@ async def test_enospc_fails_the_store_cleanly_and_shrinks_nothing(disk_tier_path
     async with offloader(kv, disk_tier_path, cpu_blocks=8, file_io=io) as off:
         await fill(off, kv, ks[:4])
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
+        assert is_disk_tier(tier)
         assert tier.statistics().used_blocks == 4
         io.fail_after_bytes = io.written + kv.caches.page_bytes_per_block  # room for one more
         kv.write([4, 5, 6, 7], ks[4:])
@@ -267,8 +276,8 @@ async def test_enospc_fails_the_store_cleanly_and_shrinks_nothing(disk_tier_path
         stats = tier.statistics()
         assert stats.blocks_written == 5 and stats.write_failures == 3
         assert stats.used_blocks == 5 and stats.evictions == 0  # nothing else went
-        assert all(tier.state.holds(k) for k in ks[:5])
-        assert not any(tier.state.holds(k) for k in ks[5:])
+        assert all(tier.index.holds(k) for k in ks[:5])
+        assert not any(tier.index.holds(k) for k in ks[5:])
     io.fail_after_bytes = None
     async with offloader(kv, disk_tier_path, cpu_blocks=8) as off:  # all five survive
         kv.clear(range(64))
@@ -401,21 +410,21 @@ async def test_two_offloaders_share_one_directory(disk_tier_path: Path) -> None:
     ks = keys("sh", 4)
     async with offloader(kv_a, disk_tier_path) as a, offloader(kv_b, disk_tier_path) as b:
         ta, tb = a.tiers[0], b.tiers[0]
-        assert isinstance(ta, DiskTier) and isinstance(tb, DiskTier)
-        assert ta.state.slab != tb.state.slab  # one writer per slab
+        assert is_disk_tier(ta) and is_disk_tier(tb)
+        assert ta.index.slab != tb.index.slab  # one writer per slab
         await fill(a, kv_a, ks)
         assert await b.load_prefix(ks, [10, 11, 12, 13]) == 0  # before b's refresh
-        await tb.refresh()
+        await tb.maintain()
         assert await b.load_prefix(ks, [10, 11, 12, 13]) == 4
         assert kv_b.holds([10, 11, 12, 13], ks)
         # Both write the same key: neither copy is corrupted, each reads back exact.
         await fill(b, kv_b, keys("both", 2), start=20)
         await fill(a, kv_a, keys("both", 2), start=20)
-        await ta.refresh()
-        assert ta.state.holds(keys("both", 1)[0]) and tb.state.holds(keys("both", 1)[0])
+        await ta.maintain()
+        assert ta.index.holds(keys("both", 1)[0]) and tb.index.holds(keys("both", 1)[0])
     async with offloader(kv_a, disk_tier_path) as c:
         tier = c.tiers[0]
-        assert isinstance(tier, DiskTier)
+        assert is_disk_tier(tier)
         kv_a.clear(range(64))
         both = keys("both", 2)
         assert await c.load_prefix(both, [40, 41]) == 2
@@ -427,9 +436,9 @@ async def test_a_replaced_foreign_block_is_a_stale_miss(disk_tier_path: Path) ->
     old, new = keys("old", 2), keys("new", 2)
     async with offloader(kv_a, disk_tier_path, slots=2) as a, offloader(kv_b, disk_tier_path) as b:
         tb = b.tiers[0]
-        assert isinstance(tb, DiskTier)
+        assert is_disk_tier(tb)
         await fill(a, kv_a, old)
-        await tb.refresh()
+        await tb.maintain()
         await fill(a, kv_a, new, start=2)  # a's two slots now hold other blocks
         kv_b.clear(range(64))
         assert await b.load_prefix(old, [10, 11]) == 0
@@ -508,15 +517,15 @@ async def test_a_symlinked_slab_file_is_refused(disk_tier_path: Path, tmp_path: 
     kv = KV()
     async with offloader(kv, disk_tier_path) as off:
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
-        directory = tier.directory
+        assert is_disk_tier(tier)
+        directory = tier.store.directory
     target = tmp_path / "elsewhere"
     target.write_bytes(b"x" * 8192)
     (directory / "slab-0000.index").unlink()
     (directory / "slab-0000.index").symlink_to(target)
     async with offloader(kv, disk_tier_path) as off:
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
-        assert tier.state.slab == 1  # the link was left alone, a new slab made
+        assert is_disk_tier(tier)
+        assert tier.index.slab == 1  # the link was left alone, a new slab made
         assert tier.statistics().refused_slabs >= 1
     assert target.read_bytes() == b"x" * 8192
