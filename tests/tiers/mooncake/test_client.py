@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from aiokvo.errors import TierUnavailableError
+from aiokvo.testing.mooncake_fake import FakeMooncakeCluster
 from aiokvo.tiers.mooncake.client import MooncakeClient, merge_spans, route_address
 from aiokvo.tiers.mooncake.config import MooncakeTierConfig
-from aiokvo.testing.mooncake_fake import FakeMooncakeCluster
 
 SETTINGS = MooncakeTierConfig(master_server_addr="127.0.0.1:1", model_id="m").setup_settings(
     "127.0.0.1"
