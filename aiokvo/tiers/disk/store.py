@@ -121,7 +121,7 @@ class DiskStore:
         self._direct = self._aligned = False
         self._helpers: dict[str, ThreadPoolExecutor] = {}
         self._closed = False
-        self._adopted = self._refreshes = self._damaged = self._refused = 0
+        self._refreshes = self._damaged = self._refused = 0
 
     # ------------------------------------------------------------- binding
     @property
@@ -194,7 +194,6 @@ class DiskStore:
         opened = directory.open_writer()
         files = opened.files
         self._slabs[files.number] = files
-        self._adopted = len(opened.entries)
         self._damaged += opened.damaged_entries
         self._refused += len(opened.refused_slabs)
         for reason in opened.refused_slabs:
@@ -424,7 +423,6 @@ class DiskStore:
             "direct_io": self._direct and self._aligned,
             "fsync": config.fsync,
             "admit_after": config.admit_after,
-            "adopted_blocks": self._adopted,
             "refreshes": self._refreshes,
             "damaged_entries": self._damaged,
             "refused_slabs": self._refused,

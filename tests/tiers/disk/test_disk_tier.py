@@ -529,3 +529,40 @@ async def test_a_symlinked_slab_file_is_refused(disk_tier_path: Path, tmp_path: 
         assert tier.index.slab == 1  # the link was left alone, a new slab made
         assert tier.statistics().refused_slabs >= 1
     assert target.read_bytes() == b"x" * 8192
+
+
+async def test_a_key_found_twice_at_open_is_adopted_once_and_the_older_slot_freed(
+    disk_tier_path: Path,
+) -> None:
+    """A slab can hold two entries of one key (a process killed between committing a
+    block's new slot and freeing its old one): the newest is adopted, the other dropped
+    and its slot freed, and only the blocks kept count as adopted."""
+    from aiokvo.tiers.disk.format import entry_offset, pack_entry, unpack_entry
+
+    kv = KV()
+    ks = keys("twice", 3)
+    async with offloader(kv, disk_tier_path) as off:
+        await fill(off, kv, ks)
+        tier = off.tiers[0]
+        assert is_disk_tier(tier)
+        index_file = tier.store.directory / "slab-0000.index"
+        where = tier.index.location(ks[2])
+        assert where is not None and where.generation > 1
+        free = next(s for s in range(tier.index.num_slots) if s not in _slots(tier, ks))
+    fd = os.open(index_file, os.O_RDWR)
+    try:  # an older entry of ks[2], in a free slot
+        payload = kv.caches.page_bytes_per_block
+        stale = pack_entry(ks[2], where.checksum ^ 1, where.generation - 1, payload)
+        os.pwrite(fd, stale, entry_offset(free))
+    finally:
+        os.close(fd)
+    async with offloader(kv, disk_tier_path) as again:
+        stats = again.statistics().tiers[0]
+        assert stats.adopted_blocks == 3 and stats.used_blocks == 3
+        kv.clear(range(64))
+        assert await again.load_prefix(ks, [20, 21, 22]) == 3
+        assert kv.holds([20, 21, 22], ks)
+        await again.drain()
+    with open(index_file, "rb") as f:  # the dropped entry's slot was freed on disk
+        f.seek(entry_offset(free))
+        assert unpack_entry(f.read(128)) is None
