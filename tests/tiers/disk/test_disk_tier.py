@@ -6,6 +6,7 @@ import asyncio
 import errno
 import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -511,6 +512,33 @@ def test_a_root_open_to_others_is_refused(tmp_path: Path) -> None:
     os.chmod(root, 0o777)
     with pytest.raises(UnsafeFileError, match="sticky"):
         offloader(KV(), root)
+
+
+def test_a_symlinked_root_or_a_root_under_a_directory_others_control_is_refused(
+    tmp_path: Path,
+) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(UnsafeFileError, match="symbolic link"):
+        offloader(KV(), tmp_path / "link")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(UnsafeFileError, match="sticky"):
+        offloader(KV(), shared / "deeper" / "root")
+    assert not (shared / "deeper").exists()  # nothing made under it
+
+
+def test_the_roots_missing_parents_are_made_owner_only(tmp_path: Path) -> None:
+    root = tmp_path / "a" / "b" / "root"
+    old = os.umask(0)  # makedirs would leave the parents 0777
+    try:
+        offloader(KV(), root)
+    finally:
+        os.umask(old)
+    for made in (tmp_path / "a", tmp_path / "a" / "b", root):
+        assert stat.S_IMODE(os.lstat(made).st_mode) == 0o700, made
 
 
 async def test_a_symlinked_slab_file_is_refused(disk_tier_path: Path, tmp_path: Path) -> None:
