@@ -239,6 +239,34 @@ async def test_another_layout_or_model_never_reads_the_blocks(disk_tier_path: Pa
         assert tier.statistics().refused_slabs >= 1
 
 
+async def test_an_engine_of_another_dtype_never_reads_the_blocks(disk_tier_path: Path) -> None:
+    """The same bytes per page as bfloat16 or int8 are other numbers: the dtype is part
+    of the layout, from ``from_engine``; caches built without one need the tier's."""
+    import torch
+
+    from aiokvo import CanonicalKVCaches
+
+    kv = KV()
+    ks = keys("dt", 4)
+    async with offloader(kv, disk_tier_path) as off:
+        await fill(off, kv, ks)
+    assert kv.caches.dtype == "int8"
+    half = KV()
+    half.caches = CanonicalKVCaches.from_engine([t.view(torch.bfloat16) for t in half.layers])
+    assert half.caches.dtype == "bfloat16"
+    assert half.caches.page_bytes_per_block == kv.caches.page_bytes_per_block
+    async with offloader(half, disk_tier_path) as off:
+        assert await off.load_prefix(ks, [10, 11, 12, 13]) == 0
+    bare = KV()  # kv's tensors, by hand: no dtype
+    bare.caches = CanonicalKVCaches(kv.caches.tensors, kv.caches.group_data_refs)
+    with pytest.raises(ConfigError, match="dtype"):
+        offloader(bare, disk_tier_path)
+    kv.clear(range(64))
+    async with offloader(bare, disk_tier_path, dtype="int8") as off:  # the tier says it
+        assert await off.load_prefix(ks, [10, 11, 12, 13]) == 4
+        assert kv.holds([10, 11, 12, 13], ks)
+
+
 async def test_capacity_is_honoured_exactly_and_eviction_is_evented(disk_tier_path: Path) -> None:
     kv = KV()
     ks = keys("cap", 30)
