@@ -529,12 +529,17 @@ class StoreTier(Tier):
 
     def _close_store_after(self, stuck: list[Any]) -> asyncio.Future[None]:
         """Close the store on a daemon thread once the ``stuck`` dispatch threads have
-        finished their jobs (their I/O may still use the store's files)."""
+        finished their jobs (their I/O may still use the store's files), and the control
+        call running now (an open, a connection, a refresh) has returned: what it opens,
+        the close closes."""
         loop = asyncio.get_running_loop()
         done: Future[None] = Future()
+        control = self._executor
 
         def close() -> None:
             try:
+                if control is not None:
+                    control.shutdown(wait=True, cancel_futures=True)
                 for dispatcher in stuck:
                     dispatcher.shutdown(wait=True)
                 if self._opened:
@@ -563,3 +568,4 @@ def _fields_of(kind: type[TierStatistics], values: dict[str, Any]) -> dict[str, 
 
 
 _FIELDS: dict[type[TierStatistics], frozenset[str]] = {}
+

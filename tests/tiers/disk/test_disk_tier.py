@@ -622,3 +622,41 @@ async def test_a_key_found_twice_at_open_is_adopted_once_and_the_older_slot_free
     with open(index_file, "rb") as f:  # the dropped entry's slot was freed on disk
         f.seek(entry_offset(free))
         assert unpack_entry(f.read(128)) is None
+
+
+async def test_closing_a_tier_while_it_opens_leaves_no_slab_taken(
+    disk_tier_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The slab the store's open takes once the close began is closed too (else its
+    files stay open and its writer lock held: the next tier here takes another slab)."""
+    import threading
+
+    from aiokvo.tiers.disk.store import DiskStore
+
+    entered, gate = threading.Event(), threading.Event()
+    real_open = DiskStore.open
+
+    def stalled_open(self: DiskStore) -> object:
+        entered.set()
+        assert gate.wait(30), "the test never let the open go on"
+        return real_open(self)
+
+    kv = KV()
+    off = offloader(kv, disk_tier_path)
+    tier = off.tiers[0]
+    assert is_disk_tier(tier)
+    monkeypatch.setattr(DiskStore, "open", stalled_open)
+    opening = asyncio.ensure_future(tier.open())
+    await eventually(entered.is_set, "the store's open")
+    closing = asyncio.ensure_future(tier.aclose())
+    await asyncio.sleep(0.05)
+    gate.set()  # the open takes its slab now, after the close began
+    await closing
+    await asyncio.gather(opening, return_exceptions=True)
+    await off.aclose()
+    monkeypatch.setattr(DiskStore, "open", real_open)
+    async with offloader(kv, disk_tier_path) as again:
+        other = again.tiers[0]
+        assert is_disk_tier(other)
+        assert other.index.slab == 0  # slab 0 was released
+
