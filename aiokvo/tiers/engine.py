@@ -291,9 +291,13 @@ class StoreTier(Tier):
         work = self.store.maintenance(core.index)
         if work is None:
             return
-        apply = await self._call(work)
-        if not self._closed:
-            apply(core.index)
+        call = self._call(work)
+        try:
+            apply = await asyncio.shield(call)
+        except asyncio.CancelledError:  # the work goes on: apply it when it is done
+            call.add_done_callback(partial(_apply_late, core.index))
+            raise
+        apply(core.index)  # also once closed: the store then releases what the work opened
 
     async def _maintain_every(self, interval: float) -> None:
         while not self._closed:
@@ -569,3 +573,13 @@ def _fields_of(kind: type[TierStatistics], values: dict[str, Any]) -> dict[str, 
 
 _FIELDS: dict[type[TierStatistics], frozenset[str]] = {}
 
+
+def _apply_late(index: Index, call: asyncio.Future[Any]) -> None:
+    """Apply a maintenance whose caller was cancelled (a closing tier's periodic refresh):
+    the store must still release what the work opened."""
+    if call.cancelled() or call.exception() is not None:
+        return
+    try:
+        call.result()(index)
+    except Exception as exc:  # nobody awaits it any more
+        logger.warning("maintenance finished after its caller left, and failed: %r", exc)

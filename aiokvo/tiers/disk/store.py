@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -121,6 +122,7 @@ class DiskStore:
         self._direct = self._aligned = False
         self._helpers: dict[str, ThreadPoolExecutor] = {}
         self._closed = False
+        self._lock = threading.Lock()  # close() against a refresh's apply (the loop)
         self._refreshes = self._damaged = self._refused = 0
 
     # ------------------------------------------------------------- binding
@@ -213,13 +215,16 @@ class DiskStore:
             found = directory.refresh(own, known, previous)
 
             def apply(index: Index) -> None:
-                if self._closed:
+                with self._lock:  # the slabs are either close()'s to close, or ours
+                    closed = self._closed
+                    if not closed:
+                        self._slabs.update(found.slabs)
+                if closed:
                     for number, files in found.slabs.items():
                         if number not in known:
                             files.close()
                     return
                 assert isinstance(index, SlotIndex)
-                self._slabs.update(found.slabs)
                 index.set_foreign(found.blocks)
                 self._refreshes += 1
                 self._damaged += found.damaged_entries
@@ -401,12 +406,13 @@ class DiskStore:
         return True
 
     def close(self) -> None:
-        self._closed = True
+        with self._lock:  # a refresh's slabs are either in _slabs now or closed by it
+            self._closed = True
+            slabs = list(self._slabs.values())
+            self._slabs.clear()
         for pool in self._helpers.values():
             pool.shutdown(wait=True)
         self._helpers.clear()
-        slabs = list(self._slabs.values())
-        self._slabs.clear()
         for files in slabs:
             files.close()
 

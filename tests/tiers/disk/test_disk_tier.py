@@ -8,6 +8,7 @@ import os
 import shutil
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -660,3 +661,51 @@ async def test_closing_a_tier_while_it_opens_leaves_no_slab_taken(
         assert is_disk_tier(other)
         assert other.index.slab == 0  # slab 0 was released
 
+
+def _open_fds(name: str) -> int:
+    """This process's open file descriptors on files named ``name``."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == name
+        except OSError:
+            continue  # closed meanwhile (the listing's own fd)
+    return n
+
+
+@pytest.mark.parametrize("periodic", [False, True], ids=["maintain", "periodic"])
+async def test_closing_a_tier_during_a_refresh_closes_the_slabs_the_refresh_opened(
+    disk_tier_path: Path, monkeypatch: pytest.MonkeyPatch, periodic: bool
+) -> None:
+    import threading
+
+    from aiokvo.tiers.disk.slab import SlabDirectory
+
+    entered, gate = threading.Event(), threading.Event()
+
+    kv_a, kv_b = KV(), KV()
+    b = offloader(kv_b, disk_tier_path, refresh_interval=0.05 if periodic else 0)
+    await b.open()  # slab 0; its first refresh finds no other slab
+    tb = b.tiers[0]
+    assert is_disk_tier(tb) and tb.index.slab == 0
+    directory = tb.store._directory  # b's alone: a's refreshes go on
+    assert isinstance(directory, SlabDirectory)
+    real_refresh = directory.refresh
+
+    def stalled_refresh(*args: Any) -> Any:
+        entered.set()
+        assert gate.wait(30), "the test never let the refresh go on"
+        return real_refresh(*args)
+
+    monkeypatch.setattr(directory, "refresh", stalled_refresh)
+    async with offloader(kv_a, disk_tier_path) as a:
+        await fill(a, kv_a, keys("r", 2))  # slab 1, new to b
+        held_by_a = _open_fds("slab-0001.data")
+        refreshing = asyncio.ensure_future(asyncio.sleep(0) if periodic else tb.maintain())
+        await eventually(entered.is_set, "the refresh")
+        closing = asyncio.ensure_future(b.aclose())
+        await asyncio.sleep(0.05)
+        gate.set()  # the refresh opens a's slab now, after the close began
+        await closing
+        await asyncio.gather(refreshing, return_exceptions=True)
+        assert _open_fds("slab-0001.data") == held_by_a  # b holds none of slab 1's files
