@@ -54,6 +54,7 @@ from aiokvo.keys import OffloadKey
 from aiokvo.tiers import DiskTier, Tier
 from aiokvo.tiers.disk.files import FileIO, read_all, write_all
 from aiokvo.tiers.disk.runs import DEFAULT_MAX_IO_BYTES, DEFAULT_READ_THREADS
+from aiokvo.tiers.slot_index import SlotIndex
 
 TENSORS = 2  # K and V: two iovecs per block
 
@@ -117,7 +118,7 @@ async def throughput(
         stats = tier.statistics()
         direct = stats.direct_io
         rows = [[t.numpy()[b] for t in pool] for b in range(n)]
-        raw_path = tier.directory.parent / f"raw-{block_bytes}.dat"
+        raw_path = tier.store.directory.parent / f"raw-{block_bytes}.dat"
         io = FileIO()
         ids = CPULoadStoreSpec(np.arange(n))
         job = [10_000_000]
@@ -144,10 +145,11 @@ async def throughput(
                 os.close(fd)
 
         async def evict_all() -> None:  # fresh slots each round, as the raw file is fresh
-            state = tier.state
-            state.slots.remove(list(state.own_keys()))
-            for key in list(state.own_keys()):
-                state._own.pop(key, None)
+            index = tier.index
+            assert isinstance(index, SlotIndex)
+            index.slots.remove(list(index.own_keys()))
+            for key in list(index.own_keys()):
+                index._own.pop(key, None)
 
         loop = asyncio.get_running_loop()
         ratios_w, ratios_r = [], []

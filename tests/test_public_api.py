@@ -72,3 +72,25 @@ def test_readme_quick_start_runs_as_written() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "reloaded 4 blocks" in out.stdout
+
+
+def test_the_tiers_names_resolve_and_the_tier_factories_make_tiers(tmp_path: Path) -> None:
+    import aiokvo.testing
+    import aiokvo.tiers
+    import aiokvo.tiers.disk
+    import aiokvo.tiers.mooncake
+    from aiokvo.errors import ConfigError
+    from aiokvo.tiers import DiskTier, MooncakeTier, Tier
+
+    for module in (aiokvo.tiers, aiokvo.tiers.disk, aiokvo.tiers.mooncake, aiokvo.testing):
+        missing = [name for name in module.__all__ if not hasattr(module, name)]
+        assert missing == [], module.__name__
+    disk = DiskTier(tmp_path / "disk", capacity_bytes=1 << 20, model_id="m")
+    mooncake = MooncakeTier("127.0.0.1:50051", model_id="m")
+    assert isinstance(disk, Tier) and isinstance(mooncake, Tier)
+    assert (disk.medium, mooncake.medium) == ("DISK", "MOONCAKE")
+    assert not (tmp_path / "disk").exists()  # nothing on disk before it is bound
+    with pytest.raises(ConfigError, match="capacity_byte"):
+        DiskTier(tmp_path, capacity_byte=1 << 20, model_id="m")
+    with pytest.raises(ConfigError, match="replicas"):
+        MooncakeTier("127.0.0.1:50051", model_id="m", replicas=2)

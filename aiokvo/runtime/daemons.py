@@ -50,15 +50,33 @@ class DaemonPool:
                 thread.start()
         return future
 
-    def shutdown(self) -> None:
-        """Take no more work; idle threads exit, busy ones after their call (not waited for)."""
+    def shutdown(self, *, wait: bool = False, cancel_futures: bool = False) -> None:
+        """Take no more work; idle threads exit, busy ones after their call.
+
+        ``cancel_futures`` cancels the calls not started yet; ``wait`` joins the
+        threads (for a thread that can afford to wait, never the loop).
+        """
         with self._lock:
-            if self._closed:
-                return
+            already = self._closed
             self._closed = True
-            threads = len(self._threads)
-        for _ in range(threads):
-            self._queue.put(None)
+            threads = list(self._threads)
+        if cancel_futures:
+            pending: list[_Job] = []
+            while True:
+                try:
+                    pending.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            for job in pending:
+                if job is not None:
+                    job[1].cancel()
+        if not already or cancel_futures:
+            for _ in threads:
+                self._queue.put(None)
+        if wait:
+            for thread in threads:
+                if thread is not threading.current_thread():
+                    thread.join()
 
     def _run(self) -> None:
         while True:

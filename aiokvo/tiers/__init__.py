@@ -3,9 +3,10 @@
 ``Tier`` (the protocol), ``TierStatistics``, ``CircuitBreaker``,
 ``LayoutFingerprint``, the disk tier (``DiskTier``, ``DiskTierConfig``) and the
 Mooncake tier (``MooncakeTier``, ``MooncakeTierConfig``).
-Names load lazily, so the pure parts (:mod:`aiokvo.tiers.base`,
-``breaker``, ``admission``, ``fingerprint``, ``disk.state``) import without
-asyncio or torch. See docs/tiers.md.
+Names load lazily, so the pure parts (:mod:`aiokvo.tiers.base`, ``core``,
+``index``, ``slot_index``, ``seen_index``, ``outcome``, ``settings``,
+``breaker``, ``admission``, ``fingerprint``) import without asyncio or torch
+(tests/tiers/test_pure.py checks). See docs/tiers.md.
 """
 
 from __future__ import annotations

@@ -302,9 +302,13 @@ class StoreTier(Tier):
         work = self.store.maintenance(core.index)
         if work is None:
             return
-        apply = await self._call(work)
-        if not self._closed:
-            apply(core.index)
+        call = self._call(work)
+        try:
+            apply = await asyncio.shield(call)
+        except asyncio.CancelledError:  # the work goes on: apply it when it is done
+            call.add_done_callback(partial(_apply_late, core.index))
+            raise
+        apply(core.index)  # also once closed: the store then releases what the work opened
 
     async def _maintain_every(self, interval: float) -> None:
         while not self._closed:
@@ -540,12 +544,17 @@ class StoreTier(Tier):
 
     def _close_store_after(self, stuck: list[Any]) -> asyncio.Future[None]:
         """Close the store on a daemon thread once the ``stuck`` dispatch threads have
-        finished their jobs (their I/O may still use the store's files)."""
+        finished their jobs (their I/O may still use the store's files), and the control
+        call running now (an open, a connection, a refresh) has returned: what it opens,
+        the close closes."""
         loop = asyncio.get_running_loop()
         done: Future[None] = Future()
+        control = self._executor
 
         def close() -> None:
             try:
+                if control is not None:
+                    control.shutdown(wait=True, cancel_futures=True)
                 for dispatcher in stuck:
                     dispatcher.shutdown(wait=True)
                 if self._opened:
@@ -574,3 +583,14 @@ def _fields_of(kind: type[TierStatistics], values: dict[str, Any]) -> dict[str, 
 
 
 _FIELDS: dict[type[TierStatistics], frozenset[str]] = {}
+
+
+def _apply_late(index: Index, call: asyncio.Future[Any]) -> None:
+    """Apply a maintenance whose caller was cancelled (a closing tier's periodic refresh):
+    the store must still release what the work opened."""
+    if call.cancelled() or call.exception() is not None:
+        return
+    try:
+        call.result()(index)
+    except Exception as exc:  # nobody awaits it any more
+        logger.warning("maintenance finished after its caller left, and failed: %r", exc)

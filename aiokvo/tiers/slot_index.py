@@ -87,6 +87,7 @@ class SlotIndex:
         self._foreign: dict[OffloadKey, BlockLocation] = {}
         self._clears: list[tuple[int, int]] = []  # (slot, generation) to clear in the store
         self._next_generation = 1
+        self.adopted_blocks = 0  # kept by adopt(): duplicates and strays not counted
 
     # ---------------------------------------------------------------- views
     @property
@@ -136,7 +137,7 @@ class SlotIndex:
         return list(self._own)
 
     def statistics_extra(self, now: float) -> dict[str, Any]:
-        return {"foreign_blocks": len(self._foreign)}
+        return {"foreign_blocks": len(self._foreign), "adopted_blocks": self.adopted_blocks}
 
     # -------------------------------------------------------------- lookups
     def lookup(self, keys: Sequence[OffloadKey], now: float) -> int:
@@ -275,6 +276,7 @@ class SlotIndex:
         kept = list(newest.values())
         self.slots.adopt([e.key for e in kept], [e.slot for e in kept])
         self._own = {e.key: (e.checksum, e.generation) for e in kept}
+        self.adopted_blocks = len(kept)
         top = max((e.generation for e in (*kept, *dropped)), default=0)
         self._next_generation = top + 1
         return [(e.slot, e.generation) for e in dropped if e.slot < self.num_slots]

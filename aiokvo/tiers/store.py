@@ -211,7 +211,9 @@ class BlockStore(Protocol):
 
     def maintenance(self, index: Index) -> Callable[[], Apply] | None:
         """On the loop: blocking work to run on a thread (what others wrote, say), whose
-        result is applied to ``index`` back on the loop; None: nothing to do now."""
+        result is applied to ``index`` back on the loop; None: nothing to do now. The
+        result is applied even if the tier closed meanwhile (the store may be closing on
+        another thread): it must then release whatever the work opened."""
         ...
 
     def close(self) -> None:

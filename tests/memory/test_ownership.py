@@ -26,6 +26,7 @@ from aiokvo.memory.ownership import (
     open_private,
     private_directory,
     release_created_file,
+    secure_directory,
 )
 
 MAGIC = b"TESTKIND"
@@ -218,6 +219,53 @@ def test_private_directory_is_made_0700_and_then_checked(tmp_path: Path) -> None
     (tmp_path / "plain").write_bytes(b"")
     with pytest.raises(UnsafeFileError, match="not a directory"):
         private_directory(tmp_path, "plain")
+
+
+def test_secure_directory_makes_missing_directories_0700_whatever_the_umask(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "a" / "b" / "root"
+    old = os.umask(0)
+    try:
+        made = secure_directory(path)
+    finally:
+        os.umask(old)
+    assert made == path
+    for d in (tmp_path / "a", tmp_path / "a" / "b", path):
+        assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700, d
+    assert secure_directory(path) == path  # and reused
+    assert secure_directory(Path(os.path.relpath(path))) == path  # made absolute
+
+
+def test_secure_directory_refuses_links_files_and_what_others_could_change(
+    tmp_path: Path,
+) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(UnsafeFileError, match="symbolic link"):
+        secure_directory(tmp_path / "link")
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(UnsafeFileError, match="not a directory"):
+        secure_directory(tmp_path / "file")
+    real.chmod(0o777)
+    with pytest.raises(UnsafeFileError, match="without the sticky bit"):
+        secure_directory(real)  # the directory itself
+    with pytest.raises(UnsafeFileError, match="without the sticky bit"):
+        secure_directory(real / "x" / "y")  # an ancestor
+    assert not (real / "x").exists()  # nothing made under an unsafe ancestor
+    with pytest.raises(ConfigError, match="sticky"):
+        secure_directory(real, error=ConfigError)  # the caller's error type
+
+
+@needs_root
+def test_secure_directory_under_another_uids_directory_is_refused(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, OTHER_UID, OTHER_UID)
+    with pytest.raises(UnsafeFileError, match=f"belongs to uid {OTHER_UID}"):
+        secure_directory(theirs / "root")
+    assert not (theirs / "root").exists()
 
 
 @needs_root

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from aiokvo.tiers import DiskTier
-from tests.tiers.disk._util import KV, FaultyIO, fill, keys, offloader
+from tests.tiers.disk._util import KV, FaultyIO, fill, is_disk_tier, keys, offloader
 
 
 async def test_tier_write_counters_count_blocks_not_transfers(disk_tier_path: Path) -> None:
@@ -36,7 +35,7 @@ async def test_a_promotion_the_pool_has_no_room_for_is_counted_and_leaks_nothing
         await fill(off, kv, old)
         await fill(off, kv, new, start=4)  # the pool holds 4: `old` is on disk only
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier) and all(tier.state.holds(k) for k in old)
+        assert is_disk_tier(tier) and all(tier.index.holds(k) for k in old)
         lease = off.pin_prefix(new)  # every CPU block pinned: no room to promote into
         assert lease is not None and lease.count == 4
         kv.clear(range(64))
@@ -47,7 +46,7 @@ async def test_a_promotion_the_pool_has_no_room_for_is_counted_and_leaks_nothing
         assert stats.manager.pinned_blocks == 4  # the lease's, nothing more
         assert stats.manager.writing_blocks == 0 and stats.writing_keys == 0
         assert stats.loads_in_flight == 0
-        assert tier.state.slots.statistics().pinned_blocks == 0
+        assert tier.index.slots.statistics().pinned_blocks == 0
         lease.release()
         # With room again the same load promotes and loads the whole prefix.
         assert await off.load_prefix(old, [20, 21, 22, 23]) == 4

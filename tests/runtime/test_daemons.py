@@ -46,3 +46,16 @@ def test_a_process_exits_with_a_call_stuck_in_the_pool() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60,
                           check=False)  # fmt: skip
     assert done.returncode == 0 and b"exiting" in done.stdout
+
+
+def test_shutdown_can_cancel_what_has_not_started_and_wait_for_what_has() -> None:
+    pool = DaemonPool(1, "t")
+    gate = threading.Event()
+    running = pool.submit(lambda: gate.wait(60))
+    queued = pool.submit(lambda: "never")
+    stopper = threading.Thread(target=pool.shutdown, kwargs={"wait": True, "cancel_futures": True})
+    stopper.start()
+    assert queued.cancelled() or not queued.done()
+    gate.set()
+    stopper.join(30)
+    assert not stopper.is_alive() and running.result(1) is True and queued.cancelled()

@@ -104,9 +104,12 @@ def test_fingerprint_payload_is_the_group_rows() -> None:
 def test_pure_parts_import_without_asyncio_or_torch() -> None:
     code = (
         "import sys\n"
-        "import aiokvo.tiers.disk.state, aiokvo.tiers.base, aiokvo.tiers.breaker\n"
+        "import aiokvo.tiers.slot_index, aiokvo.tiers.seen_index, aiokvo.tiers.core\n"
+        "import aiokvo.tiers.base, aiokvo.tiers.breaker, aiokvo.tiers.index\n"
         "import aiokvo.tiers.fingerprint, aiokvo.tiers.admission, aiokvo.tiers.disk.config\n"
-        "import aiokvo.tiers.disk.runs, aiokvo.tiers.counters, aiokvo.tiers.report\n"
+        "import aiokvo.tiers.disk.runs, aiokvo.tiers.counters, aiokvo.tiers.outcome\n"
+        "import aiokvo.tiers.settings, aiokvo.tiers.spec, aiokvo.tiers.disk.spec\n"
+        "import aiokvo.tiers.mooncake.config, aiokvo.tiers.mooncake.spec\n"
         "import aiokvo.manager.slots\n"
         "bad = [m for m in ('asyncio', 'torch') if m in sys.modules]\n"
         "assert not bad, bad\n"

@@ -121,9 +121,10 @@ class DiskStore:
         self._slabs: dict[int, SlabFiles] = {}
         self._direct = self._aligned = False
         self._helpers: dict[str, ThreadPoolExecutor] = {}
-        self._lock = threading.Lock()  # open (a control thread) against close
         self._closed = False
-        self._adopted = self._refreshes = self._damaged = self._refused = 0
+        # close() against open (a control thread) and a refresh's apply (the loop).
+        self._lock = threading.Lock()
+        self._refreshes = self._damaged = self._refused = 0
 
     # ------------------------------------------------------------- binding
     @property
@@ -200,7 +201,6 @@ class DiskStore:
                 files.close()
                 raise TierUnavailableError("the disk tier was closed while it was opening")
             self._slabs[files.number] = files
-        self._adopted = len(opened.entries)
         self._damaged += opened.damaged_entries
         self._refused += len(opened.refused_slabs)
         for reason in opened.refused_slabs:
@@ -220,13 +220,16 @@ class DiskStore:
             found = directory.refresh(own, known, previous)
 
             def apply(index: Index) -> None:
-                if self._closed:
+                with self._lock:  # the slabs are either close()'s to close, or ours
+                    closed = self._closed
+                    if not closed:
+                        self._slabs.update(found.slabs)
+                if closed:
                     for number, files in found.slabs.items():
                         if number not in known:
                             files.close()
                     return
                 assert isinstance(index, SlotIndex)
-                self._slabs.update(found.slabs)
                 index.set_foreign(found.blocks)
                 self._refreshes += 1
                 self._damaged += found.damaged_entries
@@ -408,7 +411,7 @@ class DiskStore:
         return True
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock:  # a refresh's slabs are either in _slabs now, or closed by it
             self._closed = True
             slabs = list(self._slabs.values())
             self._slabs.clear()
@@ -431,7 +434,6 @@ class DiskStore:
             "direct_io": self._direct and self._aligned,
             "fsync": config.fsync,
             "admit_after": config.admit_after,
-            "adopted_blocks": self._adopted,
             "refreshes": self._refreshes,
             "damaged_entries": self._damaged,
             "refused_slabs": self._refused,

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import aiokvo
 from aiokvo import Offloader
-from aiokvo.tiers import DiskTier
-from tests.tiers.disk._util import KV, fill, keys, offloader
+from tests.tiers.disk._util import KV, fill, is_disk_tier, keys, offloader
 
 SHARED = keys("proc-shared", 4)
 RACE = keys("proc-race", 16)
@@ -34,12 +33,12 @@ def open_offloader(kv: KV, root: Path) -> Offloader:
 async def race(off: Offloader, kv: KV, seed: int) -> tuple[int, int]:
     """Store and load the same keys as the other process; (blocks loaded, wrong blocks)."""
     tier = off.tiers[0]
-    assert isinstance(tier, DiskTier)
+    assert is_disk_tier(tier)
     rng = random.Random(seed)
     loaded = wrong = 0
     for _ in range(ROUNDS):
         await fill(off, kv, rng.sample(RACE, 4))
-        await tier.refresh()
+        await tier.maintain()
         want = rng.sample(RACE, 4)
         blocks = [40, 41, 42, 43]
         kv.clear(blocks)

@@ -9,7 +9,7 @@ import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -17,6 +17,8 @@ import torch
 from aiokvo import CanonicalKVCaches, OffloadConfig, Offloader, make_offload_key
 from aiokvo.keys import OffloadKey
 from aiokvo.tiers import DiskTier, FileIO
+from aiokvo.tiers.disk.store import DiskStore
+from aiokvo.tiers.engine import StoreTier
 
 BLOCK_TOKENS = 16
 
@@ -88,7 +90,7 @@ class KV:
         return -(-self.caches.page_bytes_per_block // 4096) * 4096
 
 
-def disk_tier(root: Path, *, slots: int = 64, kv: KV | None = None, **options: Any) -> DiskTier:
+def disk_tier(root: Path, *, slots: int = 64, kv: KV | None = None, **options: Any) -> StoreTier:
     """A tier of exactly ``slots`` slots for ``kv``'s blocks (one block: slot_bytes)."""
     slot = (kv or KV()).slot_bytes()
     capacity = options.pop("capacity_bytes", None)
@@ -117,8 +119,13 @@ async def fill(off: Offloader, kv: KV, ks: Sequence[OffloadKey], start: int = 0)
     await off.drain()
 
 
-def data_file(tier: DiskTier, slab: int = 0) -> Path:
-    return tier.directory / f"slab-{slab:04d}.data"
+def is_disk_tier(tier: object) -> TypeGuard[StoreTier]:
+    """``tier`` is a disk tier (``DiskTier(...)`` makes a StoreTier over a DiskStore)."""
+    return isinstance(tier, StoreTier) and isinstance(tier.store, DiskStore)
+
+
+def data_file(tier: StoreTier, slab: int = 0) -> Path:
+    return tier.store.directory / f"slab-{slab:04d}.data"
 
 
 class FaultyIO(FileIO):
@@ -151,10 +158,10 @@ class FaultyIO(FileIO):
         return super().pwritev(fd, buffers, offset)
 
     def preadv(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
+        self.reader_threads.add(threading.current_thread().name)  # before the gate
         if not self.read_gate.wait(60):
             raise TimeoutError("the test never opened the read gate")
         self.reads += 1
-        self.reader_threads.add(threading.current_thread().name)
         if self.fail_reads is not None:
             raise OSError(self.fail_reads, os.strerror(self.fail_reads))
         return super().preadv(fd, buffers, offset)

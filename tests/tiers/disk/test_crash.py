@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from aiokvo.tiers import DiskTier
-from tests.tiers.disk._util import KV, keys, offloader
+from tests.tiers.disk._util import KV, is_disk_tier, keys, offloader
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -76,14 +75,14 @@ async def test_sigkill_mid_write_never_yields_a_torn_block(disk_tier_path: Path)
     # A probe file of a process that died mid-probe is a temporary too.
     async with offloader(kv, disk_tier_path) as off:
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
+        assert is_disk_tier(tier)
         stats = tier.statistics()
         assert stats.adopted_blocks == 4 and stats.used_blocks == 4  # the torn slot is free
-        assert not any(tier.state.holds(k) for k in torn)
+        assert not any(tier.index.holds(k) for k in torn)
         assert await off.load_prefix(done, [20, 21, 22, 23]) == 4
         assert kv.holds([20, 21, 22, 23], done)
         assert await off.load_prefix(torn, [30, 31, 32, 33]) == 0
-        names = sorted(os.listdir(tier.directory))
+        names = sorted(os.listdir(tier.store.directory))
     assert names == ["slab-0000.data", "slab-0000.index"]
 
 
@@ -91,8 +90,8 @@ async def test_a_probe_left_by_a_dead_process_is_removed(disk_tier_path: Path) -
     kv = KV()
     async with offloader(kv, disk_tier_path) as off:
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
-        directory = tier.directory
+        assert is_disk_tier(tier)
+        directory = tier.store.directory
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, check=True, text=True)  # fmt: skip
     probe = directory / f".probe-{int(dead.stdout)}-0badc0de"
@@ -128,8 +127,8 @@ SMALL_FS = textwrap.dedent(
             assert stats.evictions == 0 and stats.blocks_written == stats.used_blocks, stats
             assert 0 < stats.blocks_written < 40, stats
             assert stats.breaker.state == "open", stats  # a full disk keeps failing: out
-            written = [k for k in ks if tier.state.holds(k)]
-            assert written == ks[: len(written)], (len(written), [tier.state.holds(k) for k in ks])
+            written = [k for k in ks if tier.index.holds(k)]
+            assert written == ks[: len(written)], (len(written), [tier.index.holds(k) for k in ks])
             print("written", len(written))
         async with offloader(kv, root, cpu_blocks=40, slots=40) as off:
             n = len(written)

@@ -6,7 +6,9 @@ import asyncio
 import errno
 import os
 import shutil
+import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,7 +19,9 @@ from aiokvo.keys import OffloadKey
 from aiokvo.tiers import DiskTier, DiskTierConfig
 from aiokvo.tiers.disk.format import ENTRY_BYTES, HEADER_PAGE
 from aiokvo.tiers.disk.runs import IOV_MAX
-from tests.tiers.disk._util import KV, FaultyIO, data_file, fill, keys, offloader
+from aiokvo.tiers.engine import StoreTier
+from tests.tiers.disk._util import KV, FaultyIO, data_file, fill, is_disk_tier, keys, offloader
+from tests.tiers.mooncake._support import eventually
 
 
 def drain_events(sub: EventSubscription) -> list[OffloadingEvent]:
@@ -62,8 +66,8 @@ async def test_a_flipped_byte_is_a_counted_evented_removed_miss(disk_tier_path: 
         await fill(off, kv, ks[:4])
         await fill(off, kv, ks[4:], start=4)  # the first four now live on disk only
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
-        slot = tier.state.slots.slot_of(ks[2])
+        assert is_disk_tier(tier)
+        slot = tier.index.slots.slot_of(ks[2])
         assert slot is not None
         with open(data_file(tier), "r+b") as f:  # flip one byte of key 2's block
             f.seek(slot * kv.slot_bytes() + 1000)
@@ -78,7 +82,7 @@ async def test_a_flipped_byte_is_a_counted_evented_removed_miss(disk_tier_path: 
         stats = off.statistics()
         assert stats.tiers[0].checksum_failures == 1
         assert stats.tiers[0].removals == 1
-        assert not tier.state.holds(ks[2])
+        assert not tier.index.holds(ks[2])
         removed = [e for e in drain_events(sub) if e.medium == "DISK" and e.removed]
         assert [e.keys for e in removed] == [[ks[2]]]
         assert stats.manager.writing_blocks == 0 and stats.manager.pinned_blocks == 0
@@ -86,13 +90,13 @@ async def test_a_flipped_byte_is_a_counted_evented_removed_miss(disk_tier_path: 
     # Removed on disk too: a new process does not adopt it.
     async with offloader(kv, disk_tier_path, cpu_blocks=4) as off:
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
-        assert not tier.state.holds(ks[2])
-        assert tier.state.holds(ks[3])
+        assert is_disk_tier(tier)
+        assert not tier.index.holds(ks[2])
+        assert tier.index.holds(ks[3])
 
 
-def _slots(tier: DiskTier, ks: list[OffloadKey]) -> list[int]:
-    slots = [tier.state.slots.slot_of(k) for k in ks]
+def _slots(tier: StoreTier, ks: list[OffloadKey]) -> list[int]:
+    slots = [tier.index.slots.slot_of(k) for k in ks]
     assert all(s is not None for s in slots)
     return slots  # type: ignore[return-value]
 
@@ -113,7 +117,7 @@ async def test_adjacent_slots_move_in_one_call_each_way(
         assert io.writes == calls
         await fill(off, kv, ks[4:], start=4)  # ks[:4] now on disk only
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
+        assert is_disk_tier(tier)
         first = _slots(tier, ks[:4])[0]
         assert _slots(tier, ks[:4]) == list(range(first, first + 4))
         kv.clear(range(64))
@@ -134,11 +138,11 @@ async def test_slots_freed_together_come_back_descending_and_are_written_in_one_
         kv, disk_tier_path, cpu_blocks=4, slots=4, file_io=io, max_write_blocks=4
     ) as off:
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
+        assert is_disk_tier(tier)
         await fill(off, kv, old)
         writes = io.writes
         await fill(off, kv, new, start=4)  # evicts the old four from the tier's four slots
-        assert not any(tier.state.holds(k) for k in old)
+        assert not any(tier.index.holds(k) for k in old)
         slots = _slots(tier, new)
         assert slots == sorted(slots, reverse=True) == list(range(slots[0], slots[0] - 4, -1))
         assert io.writes - writes == 1  # one pwritev, its iovecs in file order
@@ -158,7 +162,7 @@ async def test_a_data_file_cut_mid_run_serves_the_blocks_before_the_cut(
         await fill(off, kv, ks[:4])
         await fill(off, kv, ks[4:], start=4)  # ks[:4] now on disk only, in adjacent slots
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
+        assert is_disk_tier(tier)
         slots = _slots(tier, ks[:4])
         assert slots == list(range(slots[0], slots[0] + 4))
         os.truncate(data_file(tier), slots[2] * kv.slot_bytes())  # the file ends before key 2
@@ -167,8 +171,8 @@ async def test_a_data_file_cut_mid_run_serves_the_blocks_before_the_cut(
         assert kv.holds([30, 31], ks[:2])
         stats = off.statistics().tiers[0]
         assert stats.read_failures == 2 and stats.checksum_failures == 0
-        assert tier.state.holds(ks[0]) and tier.state.holds(ks[1])
-        assert not tier.state.holds(ks[2]) and not tier.state.holds(ks[3])
+        assert tier.index.holds(ks[0]) and tier.index.holds(ks[1])
+        assert not tier.index.holds(ks[2]) and not tier.index.holds(ks[3])
 
 
 @pytest.mark.parametrize("read_threads", [1, 3])
@@ -185,8 +189,8 @@ async def test_a_big_promotion_read_by_several_threads_verifies_every_block(
         await fill(off, kv, ks[:16])
         await fill(off, kv, ks[16:], start=16)  # ks[:16] now on disk only
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
-        slot = tier.state.slots.slot_of(ks[12])
+        assert is_disk_tier(tier)
+        slot = tier.index.slots.slot_of(ks[12])
         assert slot is not None
         with open(data_file(tier), "r+b") as f:  # flip one byte of key 12's block
             f.seek(slot * kv.slot_bytes() + 5000)
@@ -195,13 +199,19 @@ async def test_a_big_promotion_read_by_several_threads_verifies_every_block(
             f.write(bytes([byte[0] ^ 0x01]))
         kv.clear(range(64))
         reads, io.reader_threads = io.reads, set()
-        assert await off.load_prefix(ks[:16], list(range(40, 56))) == 12
+        # The disk holds every read until each share's thread has asked for one (so no
+        # thread can finish its share and take the next before the others start).
+        io.read_gate.clear()
+        load = asyncio.ensure_future(off.load_prefix(ks[:16], list(range(40, 56))))
+        await eventually(lambda: len(io.reader_threads) == read_threads, "every read thread")
+        io.read_gate.set()
+        assert await load == 12
         assert kv.holds(range(40, 52), ks[:12])
         assert io.reads - reads == 16  # every block was read (and all but one verified good)
         assert len(io.reader_threads) == read_threads
         stats = off.statistics().tiers[0]
         assert stats.checksum_failures == 1 and stats.blocks_read == 15
-        assert not tier.state.holds(ks[12]) and tier.state.holds(ks[13])
+        assert not tier.index.holds(ks[12]) and tier.index.holds(ks[13])
         assert off.statistics().manager.pinned_blocks == 0
 
 
@@ -211,23 +221,51 @@ async def test_another_layout_or_model_never_reads_the_blocks(disk_tier_path: Pa
     async with offloader(kv, disk_tier_path) as off:
         await fill(off, kv, ks)
         ours = off.tiers[0]
-        assert isinstance(ours, DiskTier)
-        our_dir = ours.directory
+        assert is_disk_tier(ours)
+        our_dir = ours.store.directory
     async with offloader(kv, disk_tier_path, model_id="another-model") as off:
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
-        assert tier.directory != our_dir
+        assert is_disk_tier(tier)
+        assert tier.store.directory != our_dir
         assert await off.load_prefix(ks, [10, 11, 12, 13]) == 0
-        other_dir = tier.directory
+        other_dir = tier.store.directory
     # Our slab copied under the other model's name: its header names our layout.
     for name in os.listdir(our_dir):
         shutil.copy(our_dir / name, other_dir / name.replace("0000", "0001"))
         os.chmod(other_dir / name.replace("0000", "0001"), 0o600)
     async with offloader(kv, disk_tier_path, model_id="another-model") as off:
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
+        assert is_disk_tier(tier)
         assert await off.load_prefix(ks, [10, 11, 12, 13]) == 0
         assert tier.statistics().refused_slabs >= 1
+
+
+async def test_an_engine_of_another_dtype_never_reads_the_blocks(disk_tier_path: Path) -> None:
+    """The same bytes per page as bfloat16 or int8 are other numbers: the dtype is part
+    of the layout, from ``from_engine``; caches built without one need the tier's."""
+    import torch
+
+    from aiokvo import CanonicalKVCaches
+
+    kv = KV()
+    ks = keys("dt", 4)
+    async with offloader(kv, disk_tier_path) as off:
+        await fill(off, kv, ks)
+    assert kv.caches.dtype == "int8"
+    half = KV()
+    half.caches = CanonicalKVCaches.from_engine([t.view(torch.bfloat16) for t in half.layers])
+    assert half.caches.dtype == "bfloat16"
+    assert half.caches.page_bytes_per_block == kv.caches.page_bytes_per_block
+    async with offloader(half, disk_tier_path) as off:
+        assert await off.load_prefix(ks, [10, 11, 12, 13]) == 0
+    bare = KV()  # kv's tensors, by hand: no dtype
+    bare.caches = CanonicalKVCaches(kv.caches.tensors, kv.caches.group_data_refs)
+    with pytest.raises(ConfigError, match="dtype"):
+        offloader(bare, disk_tier_path)
+    kv.clear(range(64))
+    async with offloader(bare, disk_tier_path, dtype="int8") as off:  # the tier says it
+        assert await off.load_prefix(ks, [10, 11, 12, 13]) == 4
+        assert kv.holds([10, 11, 12, 13], ks)
 
 
 async def test_capacity_is_honoured_exactly_and_eviction_is_evented(disk_tier_path: Path) -> None:
@@ -238,16 +276,17 @@ async def test_capacity_is_honoured_exactly_and_eviction_is_evented(disk_tier_pa
         for i in range(0, 30, 3):
             await fill(off, kv, ks[i : i + 3], start=i)
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
+        assert is_disk_tier(tier)
         stats = tier.statistics()
         assert stats.capacity_blocks == 10 and stats.used_blocks == 10
         assert stats.evictions == 20
-        on_disk = sum(os.stat(tier.directory / n).st_size for n in os.listdir(tier.directory))
-        assert on_disk <= tier.config.capacity_bytes
+        directory = tier.store.directory
+        on_disk = sum(os.stat(directory / n).st_size for n in os.listdir(directory))
+        assert on_disk <= tier.store.config.capacity_bytes
         events = drain_events(sub)
         gone = [k for e in events if e.medium == "DISK" and e.removed for k in e.keys]
         assert sorted(gone) == sorted(ks[:20])  # LRU: the oldest went
-        assert all(tier.state.holds(k) for k in ks[20:])
+        assert all(tier.index.holds(k) for k in ks[20:])
 
 
 async def test_enospc_fails_the_store_cleanly_and_shrinks_nothing(disk_tier_path: Path) -> None:
@@ -257,7 +296,7 @@ async def test_enospc_fails_the_store_cleanly_and_shrinks_nothing(disk_tier_path
     async with offloader(kv, disk_tier_path, cpu_blocks=8, file_io=io) as off:
         await fill(off, kv, ks[:4])
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
+        assert is_disk_tier(tier)
         assert tier.statistics().used_blocks == 4
         io.fail_after_bytes = io.written + kv.caches.page_bytes_per_block  # room for one more
         kv.write([4, 5, 6, 7], ks[4:])
@@ -267,8 +306,8 @@ async def test_enospc_fails_the_store_cleanly_and_shrinks_nothing(disk_tier_path
         stats = tier.statistics()
         assert stats.blocks_written == 5 and stats.write_failures == 3
         assert stats.used_blocks == 5 and stats.evictions == 0  # nothing else went
-        assert all(tier.state.holds(k) for k in ks[:5])
-        assert not any(tier.state.holds(k) for k in ks[5:])
+        assert all(tier.index.holds(k) for k in ks[:5])
+        assert not any(tier.index.holds(k) for k in ks[5:])
     io.fail_after_bytes = None
     async with offloader(kv, disk_tier_path, cpu_blocks=8) as off:  # all five survive
         kv.clear(range(64))
@@ -401,21 +440,21 @@ async def test_two_offloaders_share_one_directory(disk_tier_path: Path) -> None:
     ks = keys("sh", 4)
     async with offloader(kv_a, disk_tier_path) as a, offloader(kv_b, disk_tier_path) as b:
         ta, tb = a.tiers[0], b.tiers[0]
-        assert isinstance(ta, DiskTier) and isinstance(tb, DiskTier)
-        assert ta.state.slab != tb.state.slab  # one writer per slab
+        assert is_disk_tier(ta) and is_disk_tier(tb)
+        assert ta.index.slab != tb.index.slab  # one writer per slab
         await fill(a, kv_a, ks)
         assert await b.load_prefix(ks, [10, 11, 12, 13]) == 0  # before b's refresh
-        await tb.refresh()
+        await tb.maintain()
         assert await b.load_prefix(ks, [10, 11, 12, 13]) == 4
         assert kv_b.holds([10, 11, 12, 13], ks)
         # Both write the same key: neither copy is corrupted, each reads back exact.
         await fill(b, kv_b, keys("both", 2), start=20)
         await fill(a, kv_a, keys("both", 2), start=20)
-        await ta.refresh()
-        assert ta.state.holds(keys("both", 1)[0]) and tb.state.holds(keys("both", 1)[0])
+        await ta.maintain()
+        assert ta.index.holds(keys("both", 1)[0]) and tb.index.holds(keys("both", 1)[0])
     async with offloader(kv_a, disk_tier_path) as c:
         tier = c.tiers[0]
-        assert isinstance(tier, DiskTier)
+        assert is_disk_tier(tier)
         kv_a.clear(range(64))
         both = keys("both", 2)
         assert await c.load_prefix(both, [40, 41]) == 2
@@ -427,9 +466,9 @@ async def test_a_replaced_foreign_block_is_a_stale_miss(disk_tier_path: Path) ->
     old, new = keys("old", 2), keys("new", 2)
     async with offloader(kv_a, disk_tier_path, slots=2) as a, offloader(kv_b, disk_tier_path) as b:
         tb = b.tiers[0]
-        assert isinstance(tb, DiskTier)
+        assert is_disk_tier(tb)
         await fill(a, kv_a, old)
-        await tb.refresh()
+        await tb.maintain()
         await fill(a, kv_a, new, start=2)  # a's two slots now hold other blocks
         kv_b.clear(range(64))
         assert await b.load_prefix(old, [10, 11]) == 0
@@ -504,19 +543,169 @@ def test_a_root_open_to_others_is_refused(tmp_path: Path) -> None:
         offloader(KV(), root)
 
 
+def test_a_symlinked_root_or_a_root_under_a_directory_others_control_is_refused(
+    tmp_path: Path,
+) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(UnsafeFileError, match="symbolic link"):
+        offloader(KV(), tmp_path / "link")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(UnsafeFileError, match="sticky"):
+        offloader(KV(), shared / "deeper" / "root")
+    assert not (shared / "deeper").exists()  # nothing made under it
+
+
+def test_the_roots_missing_parents_are_made_owner_only(tmp_path: Path) -> None:
+    root = tmp_path / "a" / "b" / "root"
+    old = os.umask(0)  # makedirs would leave the parents 0777
+    try:
+        offloader(KV(), root)
+    finally:
+        os.umask(old)
+    for made in (tmp_path / "a", tmp_path / "a" / "b", root):
+        assert stat.S_IMODE(os.lstat(made).st_mode) == 0o700, made
+
+
 async def test_a_symlinked_slab_file_is_refused(disk_tier_path: Path, tmp_path: Path) -> None:
     kv = KV()
     async with offloader(kv, disk_tier_path) as off:
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
-        directory = tier.directory
+        assert is_disk_tier(tier)
+        directory = tier.store.directory
     target = tmp_path / "elsewhere"
     target.write_bytes(b"x" * 8192)
     (directory / "slab-0000.index").unlink()
     (directory / "slab-0000.index").symlink_to(target)
     async with offloader(kv, disk_tier_path) as off:
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
-        assert tier.state.slab == 1  # the link was left alone, a new slab made
+        assert is_disk_tier(tier)
+        assert tier.index.slab == 1  # the link was left alone, a new slab made
         assert tier.statistics().refused_slabs >= 1
     assert target.read_bytes() == b"x" * 8192
+
+
+async def test_a_key_found_twice_at_open_is_adopted_once_and_the_older_slot_freed(
+    disk_tier_path: Path,
+) -> None:
+    """A slab can hold two entries of one key (a process killed between committing a
+    block's new slot and freeing its old one): the newest is adopted, the other dropped
+    and its slot freed, and only the blocks kept count as adopted."""
+    from aiokvo.tiers.disk.format import entry_offset, pack_entry, unpack_entry
+
+    kv = KV()
+    ks = keys("twice", 3)
+    async with offloader(kv, disk_tier_path) as off:
+        await fill(off, kv, ks)
+        tier = off.tiers[0]
+        assert is_disk_tier(tier)
+        index_file = tier.store.directory / "slab-0000.index"
+        where = tier.index.location(ks[2])
+        assert where is not None and where.generation > 1
+        free = next(s for s in range(tier.index.num_slots) if s not in _slots(tier, ks))
+    fd = os.open(index_file, os.O_RDWR)
+    try:  # an older entry of ks[2], in a free slot
+        payload = kv.caches.page_bytes_per_block
+        stale = pack_entry(ks[2], where.checksum ^ 1, where.generation - 1, payload)
+        os.pwrite(fd, stale, entry_offset(free))
+    finally:
+        os.close(fd)
+    async with offloader(kv, disk_tier_path) as again:
+        stats = again.statistics().tiers[0]
+        assert stats.adopted_blocks == 3 and stats.used_blocks == 3
+        kv.clear(range(64))
+        assert await again.load_prefix(ks, [20, 21, 22]) == 3
+        assert kv.holds([20, 21, 22], ks)
+        await again.drain()
+    with open(index_file, "rb") as f:  # the dropped entry's slot was freed on disk
+        f.seek(entry_offset(free))
+        assert unpack_entry(f.read(128)) is None
+
+
+async def test_closing_a_tier_while_it_opens_leaves_no_slab_taken(
+    disk_tier_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The slab the store's open takes once the close began is closed too (else its
+    files stay open and its writer lock held: the next tier here takes another slab)."""
+    import threading
+
+    from aiokvo.tiers.disk.store import DiskStore
+
+    entered, gate = threading.Event(), threading.Event()
+    real_open = DiskStore.open
+
+    def stalled_open(self: DiskStore) -> object:
+        entered.set()
+        assert gate.wait(30), "the test never let the open go on"
+        return real_open(self)
+
+    kv = KV()
+    off = offloader(kv, disk_tier_path)
+    tier = off.tiers[0]
+    assert is_disk_tier(tier)
+    monkeypatch.setattr(DiskStore, "open", stalled_open)
+    opening = asyncio.ensure_future(tier.open())
+    await eventually(entered.is_set, "the store's open")
+    closing = asyncio.ensure_future(tier.aclose())
+    await asyncio.sleep(0.05)
+    gate.set()  # the open takes its slab now, after the close began
+    await closing
+    await asyncio.gather(opening, return_exceptions=True)
+    await off.aclose()
+    monkeypatch.setattr(DiskStore, "open", real_open)
+    async with offloader(kv, disk_tier_path) as again:
+        other = again.tiers[0]
+        assert is_disk_tier(other)
+        assert other.index.slab == 0  # slab 0 was released
+
+
+def _open_fds(name: str) -> int:
+    """This process's open file descriptors on files named ``name``."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == name
+        except OSError:
+            continue  # closed meanwhile (the listing's own fd)
+    return n
+
+
+@pytest.mark.parametrize("periodic", [False, True], ids=["maintain", "periodic"])
+async def test_closing_a_tier_during_a_refresh_closes_the_slabs_the_refresh_opened(
+    disk_tier_path: Path, monkeypatch: pytest.MonkeyPatch, periodic: bool
+) -> None:
+    import threading
+
+    from aiokvo.tiers.disk.slab import SlabDirectory
+
+    entered, gate = threading.Event(), threading.Event()
+
+    kv_a, kv_b = KV(), KV()
+    b = offloader(kv_b, disk_tier_path, refresh_interval=0.05 if periodic else 0)
+    await b.open()  # slab 0; its first refresh finds no other slab
+    tb = b.tiers[0]
+    assert is_disk_tier(tb) and tb.index.slab == 0
+    directory = tb.store._directory  # b's alone: a's refreshes go on
+    assert isinstance(directory, SlabDirectory)
+    real_refresh = directory.refresh
+
+    def stalled_refresh(*args: Any) -> Any:
+        entered.set()
+        assert gate.wait(30), "the test never let the refresh go on"
+        return real_refresh(*args)
+
+    monkeypatch.setattr(directory, "refresh", stalled_refresh)
+    async with offloader(kv_a, disk_tier_path) as a:
+        await fill(a, kv_a, keys("r", 2))  # slab 1, new to b
+        held_by_a = _open_fds("slab-0001.data")
+        refreshing = asyncio.ensure_future(asyncio.sleep(0) if periodic else tb.maintain())
+        await eventually(entered.is_set, "the refresh")
+        closing = asyncio.ensure_future(b.aclose())
+        await asyncio.sleep(0.05)
+        gate.set()  # the refresh opens a's slab now, after the close began
+        await closing
+        await asyncio.gather(refreshing, return_exceptions=True)
+        assert _open_fds("slab-0001.data") == held_by_a  # b holds none of slab 1's files

@@ -21,8 +21,9 @@ import pytest
 
 from aiokvo import CPULoadStoreSpec, TransferResult
 from aiokvo.errors import TransferSpecError
-from aiokvo.tiers import DiskTier, FileIO
-from tests.tiers.disk._util import KV, fill, keys, offloader
+from aiokvo.tiers import FileIO
+from aiokvo.tiers.engine import StoreTier
+from tests.tiers.disk._util import KV, fill, is_disk_tier, keys, offloader
 
 pytestmark = pytest.mark.usefixtures("aiokvo_leak_check")
 
@@ -72,8 +73,8 @@ class BadRegionIO(FileIO):
         return super().pwritev(fd, buffers, offset)
 
 
-def _slots(tier: DiskTier, ks: Sequence[bytes]) -> list[int]:
-    slots = [tier.state.slots.slot_of(k) for k in ks]  # type: ignore[arg-type]
+def _slots(tier: StoreTier, ks: Sequence[bytes]) -> list[int]:
+    slots = [tier.index.slots.slot_of(k) for k in ks]  # type: ignore[arg-type]
     assert all(s is not None for s in slots)
     return slots  # type: ignore[return-value]
 
@@ -95,7 +96,7 @@ async def test_eio_inside_coalesced_and_shared_reads_fails_those_blocks_alone(
         await fill(off, kv, ks[:16])
         await fill(off, kv, ks[16:], start=16)  # ks[:16] now on disk only
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
+        assert is_disk_tier(tier)
         slot_bytes = kv.slot_bytes()
         bad = [5, 12]  # one in each share of two; a few bytes of each block
         for i in bad:
@@ -117,7 +118,7 @@ async def test_eio_inside_coalesced_and_shared_reads_fails_those_blocks_alone(
             assert await off.load_prefix(ks[lo:hi], gpu) == hi - lo
             assert kv.holds(gpu, ks[lo:hi]) and not io.read_calls  # from the CPU pool
         # An I/O error is not corruption: the blocks stay, and read once the disk heals.
-        assert all(tier.state.holds(ks[i]) for i in bad)
+        assert all(tier.index.holds(ks[i]) for i in bad)
         io.bad_reads.clear()
         kv.clear(range(64))
         assert await off.load_prefix([ks[5]], [40]) == 1 and kv.holds([40], [ks[5]])
@@ -136,7 +137,7 @@ async def test_a_write_cut_mid_run_commits_only_the_blocks_written_before_the_cu
         failure_threshold=100,
     ) as off:  # fmt: skip
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
+        assert is_disk_tier(tier)
         if descending:  # slots freed together come back last-freed first: 3, 2, 1, 0
             await fill(off, kv, old)
         # The disk fails 1000 bytes into slot 2: the merged call is written short to there.
@@ -145,7 +146,7 @@ async def test_a_write_cut_mid_run_commits_only_the_blocks_written_before_the_cu
         kv.write(blocks, ks)
         await off.store(ks, blocks)
         await off.drain()
-        held = [k for k in ks if tier.state.holds(k)]
+        held = [k for k in ks if tier.index.holds(k)]
         # In transfer order, the first block that fails stops the store: ascending slots
         # 0, 1 commit; descending, only the block in slot 3 (slots 1, 0, written by the
         # merged call before it failed, are never committed).
@@ -162,8 +163,8 @@ async def test_a_write_cut_mid_run_commits_only_the_blocks_written_before_the_cu
     kv.clear(range(64))
     async with offloader(kv, disk_tier_path, cpu_blocks=4, slots=4) as off:  # a new process
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
-        assert [k for k in ks if tier.state.holds(k)] == expect
+        assert is_disk_tier(tier)
+        assert [k for k in ks if tier.index.holds(k)] == expect
         assert off.statistics().tiers[0].adopted_blocks == len(expect)
         assert await off.load_prefix(ks, [30, 31, 32, 33]) == len(expect)
         assert kv.holds([30, 31][: len(expect)], expect)
@@ -230,7 +231,7 @@ async def test_random_eio_and_corruption_in_shared_runs_give_each_block_its_outc
         await fill(off, kv, ks[:16])
         await fill(off, kv, ks[16:], start=16)
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
+        assert is_disk_tier(tier)
         slot_bytes = kv.slot_bytes()
         picked = rng.sample(range(16), 5)
         eio, corrupt = set(picked[:2]), set(picked[2:])
@@ -258,8 +259,8 @@ async def test_random_eio_and_corruption_in_shared_runs_give_each_block_its_outc
             n = await off.load_prefix([ks[i]], [40])
             assert n == (i not in eio and i not in corrupt)
             assert not n or kv.holds([40], [ks[i]])
-        assert all(tier.state.holds(ks[i]) for i in eio)
-        assert not any(tier.state.holds(ks[i]) for i in corrupt)
+        assert all(tier.index.holds(ks[i]) for i in eio)
+        assert not any(tier.index.holds(ks[i]) for i in corrupt)
         assert len(io.read_calls) == 2  # each EIO block tried again, one call each
 
 
@@ -289,7 +290,7 @@ async def test_a_share_stalled_past_the_deadline_holds_its_rows_until_it_returns
         await fill(off, kv, ks[:16])
         await fill(off, kv, ks[16:], start=16)
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
+        assert is_disk_tier(tier)
         slots = sorted(_slots(tier, ks[:16]))
         hold_from[0] = slots[8] * slot_bytes
         gate.clear()

@@ -14,9 +14,8 @@ import contextlib
 import sys
 from pathlib import Path
 
-from aiokvo.tiers import DiskTier
 from tests.tiers.disk import _peer
-from tests.tiers.disk._util import KV
+from tests.tiers.disk._util import KV, is_disk_tier
 
 REPO = Path(__file__).resolve().parents[3]
 PATIENCE = 60.0  # seconds for any one step of the other process (it imports torch)
@@ -33,7 +32,7 @@ async def test_a_block_stored_by_another_process_is_found_after_refresh_and_race
     kv = KV(salt=_peer.SALTS[1])
     async with _peer.open_offloader(kv, disk_tier_path) as off:
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
+        assert is_disk_tier(tier)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "tests.tiers.disk._peer", str(disk_tier_path),
             cwd=REPO, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
@@ -43,10 +42,10 @@ async def test_a_block_stored_by_another_process_is_found_after_refresh_and_race
             shared = _peer.SHARED
             blocks = list(range(20, 20 + len(shared)))
             assert await off.load_prefix(shared, blocks) == 0  # not before our refresh
-            await tier.refresh()
+            await tier.maintain()
             assert tier.statistics().foreign_blocks == len(shared)
-            where = tier.state.location(shared[0])
-            assert where is not None and where.slab != tier.state.slab  # one writer per slab
+            where = tier.index.location(shared[0])
+            assert where is not None and where.slab != tier.index.slab  # one writer per slab
             assert await off.load_prefix(shared, blocks) == len(shared)
             ours = zip(blocks, shared, strict=True)
             assert all(kv.version(b, k, [b"A"]) == b"A" for b, k in ours)
@@ -73,9 +72,9 @@ async def test_a_block_stored_by_another_process_is_found_after_refresh_and_race
     fresh = KV(salt=b"C")
     async with _peer.open_offloader(fresh, disk_tier_path) as off:
         tier = off.tiers[0]
-        assert isinstance(tier, DiskTier)
-        await tier.refresh()
-        found = [k for k in _peer.RACE if tier.state.holds(k)]
+        assert is_disk_tier(tier)
+        await tier.maintain()
+        found = [k for k in _peer.RACE if tier.index.holds(k)]
         assert found
         for k in found:
             assert await off.load_prefix([k], [50]) == 1

@@ -1,4 +1,5 @@
-"""The disk tier's pure core against a model, over random call sequences.
+"""The disk tier's pure core (a SlotIndex under a TierCore) against a model, over random
+call sequences.
 
 A hypothesis state machine drives ``offer``/``prepare_write``/``complete_write``
 (each block committed or failed at random), ``lookup``/``prepare_read``/
@@ -9,7 +10,8 @@ checks, from the outputs alone: slots never overflow and are unique and in
 range; only committed blocks are readable; a block being written or read is
 never evicted or removed; a corrupt block is never reported good and is gone
 afterwards unless another read holds it; every read reports exactly its
-good blocks; and replaying the DISK events gives exactly the committed set.
+good blocks; the core counts every block written, read and failed; and replaying
+the DISK events gives exactly the committed set.
 """
 
 from __future__ import annotations
@@ -23,32 +25,34 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from aiokvo.keys import OffloadKey, make_offload_key
 from aiokvo.manager.sink import EventSink
 from aiokvo.tiers.base import TierLoad, TierStore
-from aiokvo.tiers.breaker import CircuitBreaker
-from aiokvo.tiers.disk.spec import BlockLocation, BlockStatus, DiskLoadStoreSpec
-from aiokvo.tiers.disk.state import AdoptedEntry, DiskTierState
+from aiokvo.tiers.core import TierCore
+from aiokvo.tiers.disk.spec import DiskLoadStoreSpec
+from aiokvo.tiers.outcome import Outcome
+from aiokvo.tiers.settings import TierSettings
+from aiokvo.tiers.slot_index import AdoptedEntry, Adoption, BlockLocation, SlotIndex
 
 KEYS = [make_offload_key(b"disk%d" % n, 0) for n in range(7)]
 SLOTS = 4
 key_lists = st.lists(st.sampled_from(KEYS), min_size=1, max_size=4)
 read_outcomes = st.sampled_from(
-    [BlockStatus.OK, BlockStatus.OK, BlockStatus.CHECKSUM, BlockStatus.MISSING,
-     BlockStatus.IO_ERROR, BlockStatus.NOT_RUN]
+    [Outcome.OK, Outcome.OK, Outcome.CORRUPT, Outcome.MISSING, Outcome.IO_ERROR,
+     Outcome.NOT_RUN]
 )  # fmt: skip
-write_outcomes = st.sampled_from([BlockStatus.OK, BlockStatus.OK, BlockStatus.IO_ERROR])
+write_outcomes = st.sampled_from([Outcome.OK, Outcome.OK, Outcome.IO_ERROR])
 
 
 class DiskStateMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.sink = EventSink(record=True)
-        self.state = DiskTierState(
-            SLOTS,
-            slab=0,
-            breaker=CircuitBreaker(failure_threshold=10**9),
-            sink=self.sink,
+        self.index = SlotIndex(SLOTS, medium="DISK", slab=0, sink=self.sink)
+        self.state = TierCore(
+            self.index,
+            TierSettings(model_id="m", failure_threshold=10**9),
+            spec_class=DiskLoadStoreSpec,
         )
-        adopted = [AdoptedEntry(1, KEYS[0], 11, 5), AdoptedEntry(3, KEYS[1], 12, 7)]
-        assert self.state.adopt(adopted) == []
+        adopted = (AdoptedEntry(1, KEYS[0], 11, 5), AdoptedEntry(3, KEYS[1], 12, 7))
+        assert self.index.adopt(Adoption(0, adopted)) == []
         self.committed: set[OffloadKey] = {KEYS[0], KEYS[1]}
         self.writing: set[OffloadKey] = set()
         self.reading: Counter[OffloadKey] = Counter()
@@ -56,6 +60,7 @@ class DiskStateMachine(RuleBasedStateMachine):
         self.writes: list[TierStore] = []
         self.reads: list[TierLoad] = []
         self.replayed: set[OffloadKey] = set()
+        self.counted: Counter[str] = Counter()
         self.now = 0.0
 
     # ------------------------------------------------------------ writes
@@ -85,11 +90,13 @@ class DiskStateMachine(RuleBasedStateMachine):
         spec = store.spec
         assert isinstance(spec, DiskLoadStoreSpec)
         for i in range(len(spec.keys)):
-            spec.report.status[i] = data.draw(write_outcomes)
-            spec.report.checksums[i] = 1000 + i
-        done = self.state.complete_write(store, now=self.now)
-        ok = [k for k, s in zip(spec.keys, spec.report.status, strict=True) if s is BlockStatus.OK]
+            spec.outcomes.status[i] = data.draw(write_outcomes)
+            spec.outcomes.checksums[i] = 1000 + i
+        done = self.state.complete_write(store, error=None, now=self.now)
+        ok = [k for k, s in zip(spec.keys, spec.outcomes.status, strict=True) if s is Outcome.OK]
         assert done == ok
+        self.counted["blocks_written"] += len(ok)
+        self.counted["write_failures"] += len(spec.keys) - len(ok)
         self.writing.difference_update(spec.keys)
         self.committed.update(ok)
 
@@ -109,7 +116,7 @@ class DiskStateMachine(RuleBasedStateMachine):
         assert load is not None and load.keys == ks[:n]
         spec = load.spec
         assert isinstance(spec, DiskLoadStoreSpec)
-        for k, where in zip(spec.keys, spec.locations, strict=True):
+        for k, where in zip(spec.keys, spec.where, strict=True):
             if where.slab == 0:
                 assert k in self.committed
                 self.reading[k] += 1
@@ -124,15 +131,18 @@ class DiskStateMachine(RuleBasedStateMachine):
         spec = load.spec
         assert isinstance(spec, DiskLoadStoreSpec)
         for i in range(len(spec.keys)):
-            spec.report.status[i] = data.draw(read_outcomes)
-        good = self.state.complete_read(load, now=self.now)
-        statuses = spec.report.status
-        assert good == [k for k, s in zip(spec.keys, statuses, strict=True) if s is BlockStatus.OK]
-        own = [k for k, w in zip(spec.keys, spec.locations, strict=True) if w.slab == 0]
+            spec.outcomes.status[i] = data.draw(read_outcomes)
+        good = self.state.complete_read(load, error=None, now=self.now)
+        statuses = spec.outcomes.status
+        assert good == [k for k, s in zip(spec.keys, statuses, strict=True) if s is Outcome.OK]
+        self.counted["blocks_read"] += len(good)
+        self.counted["read_failures"] += len(spec.keys) - len(good)
+        self.counted["checksum_failures"] += statuses.count(Outcome.CORRUPT)
+        own = [k for k, w in zip(spec.keys, spec.where, strict=True) if w.slab == 0]
         self.reading.subtract(own)
         self.reading += Counter()  # drop zeros
-        for k, where, status in zip(spec.keys, spec.locations, statuses, strict=True):
-            if status not in (BlockStatus.CHECKSUM, BlockStatus.MISSING):
+        for k, where, status in zip(spec.keys, spec.where, statuses, strict=True):
+            if status not in (Outcome.CORRUPT, Outcome.MISSING):
                 continue
             if where.slab == 0:
                 if not self.reading[k]:
@@ -144,26 +154,32 @@ class DiskStateMachine(RuleBasedStateMachine):
     @rule(k=st.sampled_from(KEYS), slot=st.integers(0, 7))
     def foreign_block(self, k: OffloadKey, slot: int) -> None:
         self.foreign[k] = BlockLocation(1, slot, 99, 3)
-        self.state.set_foreign(self.foreign)
+        self.index.set_foreign(self.foreign)
 
     @rule()
     def foreign_gone(self) -> None:
         self.foreign.clear()
-        self.state.set_foreign({})
+        self.index.set_foreign({})
 
     # ---------------------------------------------------------- checks
     @invariant()
     def slots_are_bounded_and_unique(self) -> None:
-        slots = self.state.slots
+        slots = self.index.slots
         held = [slots.slot_of(k) for k in KEYS if slots.slot_of(k) is not None]
         assert len(held) == len(set(held)) <= SLOTS
         assert all(0 <= s < SLOTS for s in held if s is not None)
         assert len(held) == len(self.committed) + len(self.writing)
 
     @invariant()
+    def the_core_counts_every_block(self) -> None:
+        for name in ("blocks_written", "write_failures", "blocks_read", "read_failures",
+                     "checksum_failures"):  # fmt: skip
+            assert getattr(self.state, name) == self.counted[name], name
+
+    @invariant()
     def only_committed_blocks_are_readable(self) -> None:
         for k in KEYS:
-            assert self.state.holds(k) == (k in self.committed or k in self.foreign)
+            assert self.index.holds(k) == (k in self.committed or k in self.foreign)
 
     @invariant()
     def events_replay_to_the_committed_set(self) -> None:

@@ -33,7 +33,7 @@ async def store(args: argparse.Namespace) -> dict[str, object]:
         await off.drain()
         stats = mooncake_stats(off)
     return {"blocks_written": stats.blocks_written, "write_failures": stats.write_failures,
-            "connected": stats.connected, "hostname": tier.hostname}  # fmt: skip
+            "connected": stats.connected, "hostname": tier.store.hostname}  # fmt: skip
 
 
 def main() -> int:

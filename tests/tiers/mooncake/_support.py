@@ -9,8 +9,9 @@ from typing import Any
 
 from aiokvo import Offloader
 from aiokvo.testing.mooncake_fake import FakeMooncakeCluster
+from aiokvo.tiers.engine import StoreTier
 from aiokvo.tiers.mooncake import MooncakeTier
-from aiokvo.tiers.mooncake.tier import MooncakeTierStatistics
+from aiokvo.tiers.mooncake.store import MooncakeTierStatistics
 from tests.offloader._harness import KV
 
 CPU_BLOCKS = 16
@@ -25,13 +26,13 @@ FAST: dict[str, Any] = {
 """Settings that let a breaker trip and recover within a test."""
 
 
-def fake_tier(cluster: FakeMooncakeCluster, **settings: Any) -> MooncakeTier:
+def fake_tier(cluster: FakeMooncakeCluster, **settings: Any) -> StoreTier:
     options: dict[str, Any] = {"model_id": "test-model", "local_hostname": "127.0.0.1", **FAST}
     options.update(settings)
     return MooncakeTier("127.0.0.1:1", store_factory=cluster.store, **options)
 
 
-def replica(tier: MooncakeTier, kv: KV | None = None, cpu_blocks: int = CPU_BLOCKS) -> Offloader:
+def replica(tier: StoreTier, kv: KV | None = None, cpu_blocks: int = CPU_BLOCKS) -> Offloader:
     """An engine replica: its own KV caches and CPU pool, this tier below."""
     kv = kv or KV(64)
     return Offloader(kv.config(cpu_blocks), kv.caches, tiers=[tier])

@@ -20,6 +20,7 @@ import pytest
 
 from aiokvo.testing import LocalCluster
 from aiokvo.testing.mooncake import ClusterFactory
+from aiokvo.tiers.engine import StoreTier
 from aiokvo.tiers.mooncake import MooncakeTier
 from tests.offloader._harness import KV, keys
 from tests.tiers.mooncake._support import PagesKV, eventually, mooncake_stats, replica
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[3]
 GUARD = 60.0  # seconds: a hang guard, not a timing expectation
 
 
-def tier_on(cluster: LocalCluster, **settings: Any) -> MooncakeTier:
+def tier_on(cluster: LocalCluster, **settings: Any) -> StoreTier:
     options: dict[str, Any] = {"model_id": "test-model", **cluster.tier_settings()}
     options.update(settings)
     address = options.pop("master_server_addr")

@@ -8,7 +8,8 @@ import pytest
 
 from aiokvo import OffloadConfig
 from aiokvo.errors import ConfigError
-from aiokvo.tiers.mooncake import MooncakeTier, MooncakeTierConfig
+from aiokvo.tiers.engine import StoreTier
+from aiokvo.tiers.mooncake import MooncakeStore, MooncakeTierConfig
 
 BASE: dict[str, Any] = {"master_server_addr": "10.0.0.5:50051", "model_id": "llama-3-8b"}
 
@@ -82,6 +83,6 @@ def test_offload_config_from_dict_builds_the_tier() -> None:
     (tier_config,) = config.tiers
     assert isinstance(tier_config, MooncakeTierConfig)
     tier = tier_config.build()
-    assert isinstance(tier, MooncakeTier)
-    assert (tier.config.key_prefix, tier.config.replica_num) == ("prod", 2)
-    assert tier.config == tier_config
+    assert isinstance(tier, StoreTier) and isinstance(tier.store, MooncakeStore)
+    assert (tier.store.config.key_prefix, tier.store.config.replica_num) == ("prod", 2)
+    assert tier.store.config == tier_config and tier.settings == tier_config

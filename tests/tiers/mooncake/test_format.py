@@ -6,15 +6,15 @@ import struct
 
 import pytest
 
+from aiokvo.tiers.checksum import xxh3
 from aiokvo.tiers.mooncake.format import (
     TRAILER_BYTES,
     check_trailer,
     object_name,
+    outcome_of_code,
     pack_trailer,
-    payload_checksum,
-    status_of_code,
 )
-from aiokvo.tiers.mooncake.spec import BlockStatus
+from aiokvo.tiers.outcome import Outcome
 from tests.offloader._harness import key
 
 LAYOUT = bytes(range(16))
@@ -57,26 +57,26 @@ def test_a_resealed_forgery_with_another_checksum_is_read_as_that_checksum() -> 
 
 def test_the_payload_checksum_covers_every_buffer_in_order() -> None:
     a, b = b"x" * 100, b"y" * 50
-    assert payload_checksum([a, b]) == payload_checksum([a + b])
-    assert payload_checksum([a, b]) != payload_checksum([b, a])
+    assert xxh3([a, b]) == xxh3([a + b])
+    assert xxh3([a, b]) != xxh3([b, a])
 
 
 @pytest.mark.parametrize(
-    ("code", "status"),
+    ("code", "outcome", "cause"),
     [
-        (-200, BlockStatus.NO_SPACE),
-        (-600, BlockStatus.SIZE_MISMATCH),
-        (-704, BlockStatus.NOT_FOUND),
-        (-707, BlockStatus.LEASE_EXPIRED),
-        (-800, BlockStatus.TRANSFER_FAILED),
-        (-900, BlockStatus.RPC_FAILED),
-        (-901, BlockStatus.RPC_FAILED),
-        (-1, BlockStatus.RPC_FAILED),
-        (-12345, BlockStatus.ERROR),
+        (-200, Outcome.MISSING, "pool_full"),
+        (-600, Outcome.CORRUPT, "size_mismatch"),
+        (-704, Outcome.MISSING, "not_found"),
+        (-707, Outcome.STALE, "lease_expired"),
+        (-800, Outcome.MISSING, "transfer_failed"),
+        (-900, Outcome.IO_ERROR, "rpc_failed"),
+        (-901, Outcome.IO_ERROR, "rpc_failed"),
+        (-1, Outcome.IO_ERROR, "rpc_failed"),
+        (-12345, Outcome.IO_ERROR, "error"),  # an unknown code: the store failing
     ],
 )
-def test_mooncake_codes_map_to_block_outcomes(code: int, status: BlockStatus) -> None:
-    assert status_of_code(code) is status
+def test_mooncake_codes_map_to_block_outcomes(code: int, outcome: Outcome, cause: str) -> None:
+    assert outcome_of_code(code) == (outcome, cause)
 
 
 def test_many_trailers_at_once_are_the_same_bytes_and_the_same_verdicts() -> None:

@@ -16,7 +16,9 @@ import pytest
 from aiokvo import Offloader
 from aiokvo.specs import ReqContext
 from aiokvo.testing.mooncake_fake import FakeMooncakeCluster
-from aiokvo.tiers import DiskTier, TierBinding
+from aiokvo.tiers import DiskTier, DiskTierConfig, TierBinding
+from aiokvo.tiers.disk.store import DiskStore
+from aiokvo.tiers.engine import StoreTier
 from aiokvo.tiers.mooncake.format import TRAILER_BYTES, check_trailer
 from tests.offloader._harness import KV, keys
 from tests.tiers.disk._util import disk_tier
@@ -63,7 +65,7 @@ async def test_one_buffer_blocks_round_trip_byte_exact_with_either_kind_of_repli
     assert cluster.calls.buffers == [1 if writer else 2] * 4
     layout = tier_a.fingerprint.digest()[:16]
     for k in ks:
-        data = cluster.objects[tier_a.object_name(k)]
+        data = cluster.objects[tier_a.store.object_name(k)]
         assert len(data) == PAGE + TRAILER_BYTES
         assert data[:PAGE] == kv_a.page(k, 0).tobytes()  # the row: no room byte in it
         assert check_trailer(data[PAGE:], layout, k, PAGE) is not None
@@ -84,7 +86,7 @@ async def test_a_corrupt_one_buffer_block_is_a_miss_and_never_reaches_the_engine
     tier_a = fake_tier(cluster)
     async with replica(tier_a, kv_a) as a:
         await store_on(a, kv_a, ks)
-    bad = tier_a.object_name(ks[1])
+    bad = tier_a.store.object_name(ks[1])
     cluster.corrupt(bad, offset=PAGE - 1 if where == "payload" else PAGE + 30)
     async with replica(fake_tier(cluster), kv_b) as b:
         assert await b.load_prefix(ks, [20, 21, 22]) == 1
@@ -122,10 +124,14 @@ async def test_small_rows_are_not_padded(cluster: FakeMooncakeCluster) -> None:
     assert cluster.calls.buffers == [2, 2]
 
 
-class RoomyDiskTier(DiskTier):
+class RoomyDiskTier(StoreTier):
     """A disk tier that asks for room too (first in line), and says what it got."""
 
     granted: int | None = None
+
+    def __init__(self, root: Path, **settings: Any) -> None:
+        config = DiskTierConfig.of(root=str(root), **settings)
+        super().__init__(DiskStore(config), config)
 
     def pool_row_tail_bytes(self, kv_caches: Any, config: Any) -> int:
         return 128
@@ -227,7 +233,7 @@ async def test_two_gpu_blocks_per_key_keep_the_trailer_in_the_room_next_to_a_dis
     assert set(cluster.calls.buffers) == {1}
     layout = tier.fingerprint.digest()[:16]
     for k in ks:
-        data = cluster.objects[tier.object_name(k)]
+        data = cluster.objects[tier.store.object_name(k)]
         assert data[:page] == pages(k, 0).tobytes() and data[page:width] == pages(k, 1).tobytes()
         assert check_trailer(data[width:], layout, k, width) is not None
     layer_b, caches_b, config_b = replica_kv()
@@ -249,10 +255,10 @@ async def test_pipelined_one_buffer_blocks_fail_alone_and_keep_their_neighbours_
         await store_on(a, kv_a, ks[:4])
         await store_on(a, kv_a, ks[4:])
     assert cluster.calls.put == 4 and set(cluster.calls.buffers) == {1}
-    cluster.corrupt(tier_a.object_name(ks[2]), offset=PAGE + 5)  # its trailer
+    cluster.corrupt(tier_a.store.object_name(ks[2]), offset=PAGE + 5)  # its trailer
     tier_b = fake_tier(cluster, **chunked)
     async with replica(tier_b, kv_b) as b:
-        cluster.codes[tier_b.object_name(ks[5])] = -704  # gone meanwhile
+        cluster.codes[tier_b.store.object_name(ks[5])] = -704  # gone meanwhile
         gets = cluster.calls.get
         assert await b.load_prefix(ks, list(range(20, 28))) == 2
         assert cluster.calls.get - gets == 4

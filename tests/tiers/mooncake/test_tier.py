@@ -46,7 +46,7 @@ async def test_blocks_one_replica_stored_are_loaded_byte_exact_by_another(
     async with replica(tier_a, kv_a) as a:
         await store_on(a, kv_a, ks)
         assert mooncake_stats(a).blocks_written == 4
-    names = [tier_a.object_name(k) for k in ks]
+    names = [tier_a.store.object_name(k) for k in ks]
     assert sorted(cluster.objects) == sorted(names)
     assert all(n.startswith(f"aiokvo/{tier_a.fingerprint.name()}/") for n in names)
     assert {len(cluster.objects[n]) for n in names} == {BLOCK_BYTES + TRAILER_BYTES}
@@ -84,7 +84,7 @@ async def test_a_vanished_block_is_a_miss_for_that_key_and_not_asked_again(
     tier_a, tier_b = fake_tier(cluster), fake_tier(cluster)
     async with replica(tier_a, kv_a) as a:
         await store_on(a, kv_a, ks)
-    cluster.stale.add(tier_a.object_name(ks[2]))  # "exists", but every get is -704
+    cluster.stale.add(tier_a.store.object_name(ks[2]))  # "exists", but every get is -704
     async with replica(tier_b, kv_b) as b:
         assert await b.load_prefix(ks, [20, 21, 22, 23]) == 2
         assert kv_b.holds([20, 21], ks[:2])
@@ -106,7 +106,7 @@ async def test_corrupt_bytes_are_a_miss_and_the_object_is_removed(
     tier_a = fake_tier(cluster)
     async with replica(tier_a, kv_a) as a:
         await store_on(a, kv_a, ks)
-    bad = tier_a.object_name(ks[1])
+    bad = tier_a.store.object_name(ks[1])
     cluster.corrupt(bad, offset=PAGE + 3)  # in the second layer's row
     async with replica(fake_tier(cluster), kv_b) as b:
         assert await b.load_prefix(ks, [20, 21, 22]) == 1
@@ -127,7 +127,7 @@ async def test_an_object_that_is_not_this_block_is_a_miss(
     tier_a = fake_tier(cluster)
     async with replica(tier_a, kv_a) as a:
         await store_on(a, kv_a, ks)
-    name = tier_a.object_name(ks[0])
+    name = tier_a.store.object_name(ks[0])
     data = cluster.objects[name]
     if damage == "foreign trailer":  # right length, another key's trailer
         trailer = pack_trailer(tier_a.fingerprint.digest()[:16], ks[1], BLOCK_BYTES, 0)
@@ -181,7 +181,7 @@ async def test_a_dead_master_trips_the_breaker_the_cpu_tier_serves_and_the_tier_
         cluster.down = False
         await eventually(lambda: mooncake_stats(off).breaker.state == "closed", "recovery")
         await store_on(off, kv, keys("f"), first_block=20)
-        assert tier.object_name(keys("f")[0]) in cluster.objects
+        assert tier.store.object_name(keys("f")[0]) in cluster.objects
 
 
 async def test_a_hung_master_costs_a_lookup_its_deadline_and_no_wrong_answer(
@@ -241,7 +241,7 @@ async def test_a_failed_setup_leaves_the_tier_out_until_it_connects(
         cluster.setup_rc = 0
         await eventually(lambda: mooncake_stats(off).connected, "the reconnection")
         await store_on(off, kv, keys("b"), first_block=1)
-        assert list(cluster.objects) == [tier.object_name(keys("b")[0])]
+        assert list(cluster.objects) == [tier.store.object_name(keys("b")[0])]
 
 
 async def test_lookups_of_one_loop_iteration_share_one_call(cluster: FakeMooncakeCluster) -> None:
@@ -292,7 +292,7 @@ async def test_a_large_transfer_goes_in_pipelined_chunks_each_block_verified(
     async with replica(tier_a, kv_a) as a:
         await store_on(a, kv_a, ks)
     assert cluster.calls.put == 4 and len(cluster.objects) == 8
-    cluster.corrupt(tier_a.object_name(ks[5]), offset=1)
+    cluster.corrupt(tier_a.store.object_name(ks[5]), offset=1)
     async with replica(fake_tier(cluster, **chunked), kv_b) as b:
         gpu = list(range(20, 28))
         assert await b.load_prefix(ks, gpu) == 5
@@ -311,11 +311,11 @@ async def test_a_chunk_the_master_refused_stops_the_transfer(
     async with replica(tier, kv) as off:
         await off.open()
         for k in ks[2:4]:  # the second call: -900 for both of its objects
-            cluster.codes[tier.object_name(k)] = -900
+            cluster.codes[tier.store.object_name(k)] = -900
         await store_on(off, kv, ks)
         stats = mooncake_stats(off)
     assert cluster.calls.put == 2  # the third and fourth were never made
-    assert sorted(cluster.objects) == sorted(tier.object_name(k) for k in ks[:2])
+    assert sorted(cluster.objects) == sorted(tier.store.object_name(k) for k in ks[:2])
     assert (stats.blocks_written, stats.write_failures, stats.rpc_failures) == (2, 6, 1)
 
 
