@@ -289,6 +289,9 @@ class FaultyStore:
     def maintenance(self, index: Index) -> Callable[[], Apply] | None:
         return None
 
+    def interrupt(self) -> None:
+        """Nothing of a control call can hang here for long: nothing to do."""
+
     def close(self) -> None:
         self._release.set()
         with self._lock:

@@ -323,7 +323,9 @@ class StoreTier(Tier):
         executor = self._executor
         if executor is None or self._closed:
             raise RuntimeError(f"the {self.medium} tier is closed")
-        return asyncio.wrap_future(executor.submit(fn))
+        future = asyncio.wrap_future(executor.submit(fn))
+        future.add_done_callback(_retrieve)  # a caller cancelled at close stops waiting
+        return future
 
     # ------------------------------------------------------------- lookups
     def lookup_nowait(self, keys: Sequence[OffloadKey]) -> int:
@@ -524,6 +526,7 @@ class StoreTier(Tier):
         pending, self._pending = self._pending, None
         if pending is not None and not pending.future.done():
             pending.future.set_result(None)
+        self.store.interrupt()  # a connection attempt in flight gives up now
         handlers = [h for h in (self._writer, self._reader) if h is not None]
         for handler in handlers:
             await handler.aclose()
@@ -571,6 +574,12 @@ class StoreTier(Tier):
     def __repr__(self) -> str:
         where = getattr(self.store, "where", None) or self.medium
         return f"<{type(self).__name__} {where}>"
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a control call's outcome seen: its caller may have stopped waiting."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _fields_of(kind: type[TierStatistics], values: dict[str, Any]) -> dict[str, Any]:

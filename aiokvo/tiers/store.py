@@ -216,6 +216,11 @@ class BlockStore(Protocol):
         another thread): it must then release whatever the work opened."""
         ...
 
+    def interrupt(self) -> None:
+        """The tier is closing: make a control call in flight (a connection attempt)
+        return soon. Called on the loop; must not block."""
+        ...
+
     def close(self) -> None:
         """Release files, connections and threads (blocking; once)."""
         ...

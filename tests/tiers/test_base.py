@@ -19,8 +19,8 @@ from aiokvo.tiers.slot_index import SlotIndex
 
 # Fields a snapshot reads from their owner (index, breaker, connection), not counters.
 _READ_FROM_OWNERS = {
-    "medium", "capacity_blocks", "used_blocks", "connected", "evictions", "removals",
-    "failure_causes", "breaker",
+    "medium", "capacity_blocks", "used_blocks", "capacity_bytes", "used_bytes", "connected",
+    "evictions", "removals", "failure_causes", "breaker",
 }  # fmt: skip
 
 

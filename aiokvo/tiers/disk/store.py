@@ -410,6 +410,9 @@ class DiskStore:
     def probe(self) -> bool:
         return True
 
+    def interrupt(self) -> None:
+        """Nothing of a control call can hang here for long: nothing to do."""
+
     def close(self) -> None:
         with self._lock:  # a refresh's slabs are either in _slabs now, or closed by it
             self._closed = True

@@ -17,41 +17,71 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import asdict
 
 from aiokvo.errors import TierUnavailableError
 from aiokvo.tiers.mooncake.config import SetupSettings
 
-__all__ = ["main", "probe_setup"]
+__all__ = ["SetupProbe", "main"]
 
 _QUIET = {"GLOG_minloglevel": "2", "MC_LOG_LEVEL": "ERROR"}
 
 
-def probe_setup(settings: SetupSettings, timeout: float) -> None:
-    """Raise :class:`~aiokvo.errors.TierUnavailableError` unless a child process's
-    ``setup()`` with ``settings`` succeeds within ``timeout`` seconds (blocking)."""
-    probe = {**asdict(settings), "global_segment_size": 0, "enable_client_http_server": False}
-    env = {**os.environ, **_QUIET}
-    env["MC_RPC_TIMEOUT_MS"] = str(max(1, round(timeout * 1000)))
-    env["MC_STORE_CLIENT_SETUP_RETRIES"] = "1"
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "aiokvo.tiers.mooncake.probe", json.dumps(probe)],
-            env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
-            check=False,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired:
-        raise TierUnavailableError(
-            f"the Mooncake master at {settings.master_server_addr} did not answer a setup "
-            f"within {timeout} s"
-        ) from None
-    if done.returncode != 0:
-        said = (done.stdout + done.stderr).decode(errors="replace").strip().splitlines()
-        raise TierUnavailableError(
-            f"the Mooncake master at {settings.master_server_addr} refused a setup "
-            f"({said[-1] if said else f'exit code {done.returncode}'})"
-        )
+class SetupProbe:
+    """Runs the probing child; :meth:`cancel` kills one in flight (the tier is closing)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._child: subprocess.Popen[bytes] | None = None
+        self._cancelled = False
+
+    def __call__(self, settings: SetupSettings, timeout: float) -> None:
+        """Raise :class:`~aiokvo.errors.TierUnavailableError` unless a child process's
+        ``setup()`` with ``settings`` succeeds within ``timeout`` seconds (blocking)."""
+        probe = {**asdict(settings), "global_segment_size": 0,
+                 "enable_client_http_server": False}  # fmt: skip
+        env = {**os.environ, **_QUIET}
+        env["MC_RPC_TIMEOUT_MS"] = str(max(1, round(timeout * 1000)))
+        env["MC_STORE_CLIENT_SETUP_RETRIES"] = "1"
+        with self._lock:
+            if self._cancelled:
+                raise TierUnavailableError("the Mooncake tier is closing")
+            child = self._child = subprocess.Popen(
+                [sys.executable, "-m", "aiokvo.tiers.mooncake.probe", json.dumps(probe)],
+                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        try:
+            said, _ = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+            raise TierUnavailableError(
+                f"the Mooncake master at {settings.master_server_addr} did not answer a "
+                f"setup within {timeout} s"
+            ) from None
+        finally:
+            with self._lock:
+                self._child = None
+        if child.returncode != 0:
+            lines = said.decode(errors="replace").strip().splitlines()
+            reason = "closing" if self._cancelled else (
+                lines[-1] if lines else f"exit code {child.returncode}"
+            )  # fmt: skip
+            raise TierUnavailableError(
+                f"the Mooncake master at {settings.master_server_addr} refused a setup "
+                f"({reason})"
+            )
+
+    def cancel(self) -> None:
+        """Kill the child in flight, and start no other."""
+        with self._lock:
+            self._cancelled = True
+            child = self._child
+        if child is not None:
+            child.kill()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

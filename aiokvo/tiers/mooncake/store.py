@@ -55,7 +55,7 @@ from aiokvo.tiers.mooncake.format import (
     outcome_of_code,
     seal_trailers,
 )
-from aiokvo.tiers.mooncake.probe import probe_setup
+from aiokvo.tiers.mooncake.probe import SetupProbe
 from aiokvo.tiers.mooncake.rows import BlockRows, Buffers
 from aiokvo.tiers.mooncake.spec import MOONCAKE_MEDIUM
 from aiokvo.tiers.outcome import Outcome
@@ -166,12 +166,13 @@ class MooncakeStore:
         )  # fmt: skip
         self._factory = store_factory
         real = store_factory is None
+        self._probe = SetupProbe()
         self.client = MooncakeClient(
             store_factory or default_store_factory,
             replica_num=config.replica_num,
             preferred_segment=config.preferred_segment,
             probe=probe_master if real else None,
-            setup_probe=probe_setup if real else None,
+            setup_probe=self._probe if real else None,
         )
         self._healthy = True  # the cluster answered the last call
         self.namespace = ""
@@ -288,9 +289,14 @@ class MooncakeStore:
         except Exception as exc:  # best effort: a later reader verifies again
             logger.debug("Mooncake tier: removing %d bad objects failed: %r", len(places), exc)
 
+    def interrupt(self) -> None:
+        """Kill a probing child in flight (a connection attempt then gives up)."""
+        self._probe.cancel()
+
     def close(self) -> None:
         """Close the client; or, if the cluster stopped answering, leave it open unused:
         Mooncake's ``close()`` holds the GIL while it waits for a dead master."""
+        self._probe.cancel()
         if self._healthy:
             self.client.close()
         else:

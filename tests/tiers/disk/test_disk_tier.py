@@ -51,7 +51,7 @@ async def test_blocks_evicted_from_cpu_come_back_from_disk_byte_exact(
         stats = off.statistics()
         assert stats.hits_by_medium["DISK"] == 4
         assert stats.hits_by_medium["CPU"] == 4
-        assert stats.promoted_blocks == 4 and stats.tiers[0].blocks_read == 4
+        assert stats.tiers[0].blocks_read == 4 and stats.tiers[0].reads == 1
         assert stats.manager.pinned_blocks == 0 and stats.manager.writing_blocks == 0
         # A prefix longer than the pool loads what fits next to it.
         kv.clear(range(64))
@@ -86,7 +86,7 @@ async def test_a_flipped_byte_is_a_counted_evented_removed_miss(disk_tier_path: 
         removed = [e for e in drain_events(sub) if e.medium == "DISK" and e.removed]
         assert [e.keys for e in removed] == [[ks[2]]]
         assert stats.manager.writing_blocks == 0 and stats.manager.pinned_blocks == 0
-        assert stats.promotion_failures == 1
+        assert stats.tiers[0].read_failures == 1
     # Removed on disk too: a new process does not adopt it.
     async with offloader(kv, disk_tier_path, cpu_blocks=4) as off:
         tier = off.tiers[0]
@@ -425,7 +425,7 @@ async def test_aclose_finishes_tier_writes_in_flight(disk_tier_path: Path) -> No
     io.write_gate.clear()
     kv.write([0, 1, 2, 3], ks)
     assert (await off.store(ks, [0, 1, 2, 3])).ok  # CPU done; the disk write is held
-    assert off.statistics().tier_writes == 1
+    assert off.statistics().tiers[0].writes == 1
     closing = asyncio.ensure_future(off.aclose())
     await asyncio.sleep(0.01)
     assert not closing.done()

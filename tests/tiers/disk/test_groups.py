@@ -33,5 +33,5 @@ async def test_two_kv_groups_promote_from_disk_into_their_own_tensors(
         assert kv.holds([10, 11, 12], g0[:3], group=0)
         assert kv.holds([20, 21, 22], g1[:3], group=1)
         stats = off.statistics()
-        assert stats.hits_by_medium["DISK"] == 2 and stats.promoted_blocks == 2
+        assert stats.hits_by_medium["DISK"] == 2 and stats.tiers[0].blocks_read == 2
         assert stats.manager.pinned_blocks == 0 and stats.manager.writing_blocks == 0

@@ -8,6 +8,7 @@ import pytest
 
 from aiokvo import OffloadConfig
 from aiokvo.errors import ConfigError
+from aiokvo.tiers import build_tier
 from aiokvo.tiers.engine import StoreTier
 from aiokvo.tiers.mooncake import MooncakeStore, MooncakeTierConfig
 
@@ -82,7 +83,7 @@ def test_offload_config_from_dict_builds_the_tier() -> None:
     )
     (tier_config,) = config.tiers
     assert isinstance(tier_config, MooncakeTierConfig)
-    tier = tier_config.build()
+    tier = build_tier(tier_config)
     assert isinstance(tier, StoreTier) and isinstance(tier.store, MooncakeStore)
     assert (tier.store.config.key_prefix, tier.store.config.replica_num) == ("prod", 2)
     assert tier.store.config == tier_config and tier.settings == tier_config

@@ -90,7 +90,7 @@ async def test_a_vanished_block_is_a_miss_for_that_key_and_not_asked_again(
         assert kv_b.holds([20, 21], ks[:2])
         stats = mooncake_stats(b)
         assert (stats.not_found, stats.read_failures, stats.negative_cached) == (1, 1, 1)
-        assert b.statistics().promotion_failures == 1
+        assert sum(t.read_failures for t in b.statistics().tiers) == 1
         asked = cluster.calls.exists
         assert await b.load_prefix(ks, [30, 31, 32, 33]) == 2  # c: negative, not asked
         assert cluster.calls.exists == asked
@@ -341,7 +341,7 @@ async def test_a_promotion_that_ends_while_the_next_tier_looks_up_is_not_waited_
         cluster.block()
 
         async def release_after_the_disk_promotion() -> None:
-            await eventually(lambda: off.statistics().promoted_blocks >= 2, "disk promotion")
+            await eventually(lambda: off.statistics().tiers[0].blocks_read >= 2, "disk promotion")
             cluster.unblock()
 
         releaser = asyncio.create_task(release_after_the_disk_promotion())
