@@ -212,15 +212,18 @@ class Offloader(AsyncResource):
         return () if self._tiers is None else self._tiers.tiers
 
     async def __aenter__(self) -> Offloader:
-        """Opens the tiers (a disk tier rebuilds its index) before the first call."""
-        if self._tiers is not None:
-            await self._tiers.open()
+        """Opens the tiers (:meth:`open`) before the first call."""
+        await self.open()
         return self
 
     async def open(self) -> None:
-        """Open the tiers now (the first call, or ``async with``, does it otherwise)."""
+        """Open the tiers now, and wait for those that connect to have tried once (a
+        Mooncake tier: up to its ``setup_timeout``). The first call, or ``async with``,
+        does it otherwise; a first call waits for a connection no longer than a lookup
+        may take, so a slow cluster never holds up the CPU pool."""
         if self._tiers is not None:
             await self._tiers.open()
+            await self._tiers.connected()
 
     def subscribe(
         self, *, maxsize: int = 1024, overflow: OverflowPolicy = "drop_oldest"

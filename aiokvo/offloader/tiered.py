@@ -135,6 +135,10 @@ class TierDriver:
             await tier.open()
         self.opened = True
 
+    async def connected(self) -> None:
+        """Wait for each tier that connects to have made its first attempt."""
+        await asyncio.gather(*(tier.first_connection() for tier in self.tiers))
+
     async def aclose(self) -> None:
         """Close every tier (after the worker closed their handlers)."""
         errors: list[BaseException] = []

@@ -229,6 +229,11 @@ class Tier(ABC):
         """Load what the tier already holds; called once after :meth:`bind`."""
         return
 
+    async def first_connection(self) -> bool:
+        """After :meth:`open`: wait until a tier that connects has tried once (bounded
+        by its own deadline); whether it is connected. Others: True at once."""
+        return True
+
     @abstractmethod
     def lookup_nowait(self, keys: Sequence[OffloadKey]) -> int:
         """How many leading ``keys`` the tier holds ready now, from what it knows."""

@@ -109,6 +109,7 @@ class StoreTier(Tier):
         self._wake: asyncio.Event | None = None
         self._pending: _LookupBatch | None = None
         self._opening: asyncio.Future[None] | None = None
+        self._first: asyncio.Task[bool] | None = None
         self._opened = self._closed = False
 
     # ------------------------------------------------------------- binding
@@ -197,7 +198,7 @@ class StoreTier(Tier):
             # Connect in the background: the first call waits for it no longer than a
             # lookup may take (a slow or absent cluster must not hold up the pool).
             self._wake = asyncio.Event()
-            first = loop.create_task(self._connect())
+            first = self._first = loop.create_task(self._connect())
             self._tasks.append(loop.create_task(self._watch_connection(first)))
             await asyncio.wait([first], timeout=caps.lookup_timeout)
         else:
@@ -205,6 +206,14 @@ class StoreTier(Tier):
         await self.maintain()
         if caps.maintenance_interval > 0:
             self._tasks.append(loop.create_task(self._maintain_every(caps.maintenance_interval)))
+
+    async def first_connection(self) -> bool:
+        """Wait until the first connection attempt has ended (a store that connects; it
+        is bounded by ``connect_timeout``); whether the tier is connected."""
+        first = self._first
+        if first is not None and not first.done():
+            await asyncio.wait([first])
+        return self._core is not None and self._core.connected and not self._closed
 
     def _adopt(self, found: Any) -> None:
         removals = self.core.index.adopt(found)

@@ -5,8 +5,8 @@ take (the binding releases it only around the data calls), so an in-process
 ``setup()`` against a master that accepts connections but does not answer
 stalls every Python thread, the event loop included, for Mooncake's whole
 RPC deadline. The tier therefore first runs the same ``setup()`` in a
-short-lived child process (``python -m aiokvo.tiers.mooncake.probe``, a pure
-client that lends no memory and exits at once), and calls its own
+short-lived child process (a pure client that lends no memory and exits at
+once), and calls its own
 ``setup()`` only once the child got an answer: a slow or silent master costs
 a child process, never the loop.
 """
@@ -18,13 +18,12 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
 from dataclasses import asdict
 
 from aiokvo.errors import TierUnavailableError
 from aiokvo.tiers.mooncake.config import SetupSettings
 
-__all__ = ["SetupProbe", "main"]
+__all__ = ["SetupProbe"]
 
 _QUIET = {"GLOG_minloglevel": "2", "MC_LOG_LEVEL": "ERROR"}
 
@@ -49,7 +48,7 @@ class SetupProbe:
             if self._cancelled:
                 raise TierUnavailableError("the Mooncake tier is closing")
             child = self._child = subprocess.Popen(
-                [sys.executable, "-m", "aiokvo.tiers.mooncake.probe", json.dumps(probe)],
+                [sys.executable, "-c", _CHILD, json.dumps(probe)],
                 env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
             )  # fmt: skip
@@ -84,27 +83,20 @@ class SetupProbe:
             child.kill()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The child: one ``setup()`` and ``close()`` with the settings in ``argv[0]`` (JSON)."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    settings = json.loads(args[0])
-    from mooncake.store import MooncakeDistributedStore
-
-    store = MooncakeDistributedStore()
-    rc = store.setup(
-        settings["local_hostname"], settings["metadata_server"],
-        settings["global_segment_size"], settings["local_buffer_size"],
-        settings["protocol"], settings["rdma_devices"], settings["master_server_addr"],
-        None, settings["enable_ssd_offload"], settings["ssd_offload_path"],
-        settings["tenant_id"], settings["enable_client_http_server"],
-        settings["client_http_port"],
-    )  # fmt: skip
-    if rc != 0:
-        print(f"setup() returned {rc}", flush=True)
-        return 3
-    store.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+_CHILD = """
+import json, os, sys
+settings = json.loads(sys.argv[1])
+from mooncake.store import MooncakeDistributedStore
+rc = MooncakeDistributedStore().setup(
+    settings["local_hostname"], settings["metadata_server"], 0,
+    settings["local_buffer_size"], settings["protocol"], settings["rdma_devices"],
+    settings["master_server_addr"], None, settings["enable_ssd_offload"],
+    settings["ssd_offload_path"], settings["tenant_id"], False,
+    settings["client_http_port"],
+)
+print(f"setup() returned {rc}", flush=True)
+os._exit(0 if rc == 0 else 3)  # no close(): it takes a second, and the child is done
+"""
+"""The child's program: only Mooncake is imported (an interpreter and ``mooncake.store``
+start in a fraction of a second), and it exits without ``close()``: a pure client with
+no segment, which the master forgets after its ``client_ttl``."""

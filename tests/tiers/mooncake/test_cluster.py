@@ -67,7 +67,7 @@ async def test_blocks_stored_by_a_replica_in_another_process_are_loaded_byte_exa
 async def test_a_killed_storage_node_is_misses_never_wrong_bytes_and_the_rest_serves(
     mooncake_cluster: ClusterFactory,
 ) -> None:
-    cluster = mooncake_cluster(2, segment_size=32 << 20, client_ttl=2)
+    cluster = mooncake_cluster(2, segment_size=32 << 20, client_ttl=10)
     first, second = cluster.nodes
     on_first, on_second = keys(*[f"n0/{i}" for i in range(6)]), keys(*[f"n1/{i}" for i in range(6)])
     for node, ks in ((first, on_first), (second, on_second)):
