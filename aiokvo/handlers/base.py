@@ -307,11 +307,22 @@ class SingleDirectionHandler(OffloadingHandler):
         self._poller = EventPoller.for_loop(loop)
         return self._poller
 
+    ordered: bool = True
+    """Finish transfers in submission order, across lanes (the handler contract). A
+    backend whose transfers are independent by design (a tier's read slots, where one
+    stalled read must not hold up another's) sets it False: each finishes as it ends."""
+
     def _on_complete(self, entry: _InFlight, error: BaseException | None) -> None:
+        if entry.done:
+            return  # abandoned at close already: its late completion changes nothing
         entry.finished_at = time.perf_counter()
         entry.error = error
         entry.done = True
         order = self._order
+        if not self.ordered:
+            order.remove(entry)
+            self._finish(entry)
+            return
         # Finish strictly in submission order, even across several lanes.
         while order and order[0].done:
             self._finish(order.popleft())

@@ -144,6 +144,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._blocks_evicted = 0
         self._refusal: StoreRefusal | None = None
         self._retention: Retention | None = None
+        self._removed = 0
 
     # -- introspection ---------------------------------------------------------
 
@@ -470,6 +471,34 @@ class CPUOffloadingManager(OffloadingManager):
             ids += taken[1]
             want = min(want, n - len(victims))
         return (victims, ids) if victims else None
+
+    @property
+    def blocks_removed(self) -> int:
+        """Keys dropped by :meth:`remove` so far."""
+        return self._removed
+
+    def remove(self, keys: Collection[OffloadKey]) -> list[OffloadKey]:
+        """Drop the ready, idle ``keys`` and free their blocks; the keys dropped.
+
+        Keys being written or read are skipped (the call that holds them
+        completes them; ask again then), and unknown keys are ignored. Each
+        drop is published as a removal. A tier drops bad blocks this way; the
+        Offloader's ``demote`` drops blocks a tier below holds.
+        """
+        keys = key_sequence(keys, "remove")
+        check_keys(keys, "remove")
+        writing, pinned, policy = self._writing, self._pinned, self._policy
+        gone = [
+            k for k in dict.fromkeys(keys) if k in policy and k not in writing and k not in pinned
+        ]
+        if not gone:
+            return gone
+        self._free_ids += policy.block_ids(gone)
+        policy.remove(gone)
+        self._removed += len(gone)
+        if self._sink.active:
+            self._sink.publish(OffloadingEvent(list(gone), self.medium, True))
+        return gone
 
     def set_retention(self, retention: Retention | None) -> None:
         """Evict the blocks ``retention`` holds after all others (None: no retention)."""

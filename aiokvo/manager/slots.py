@@ -7,8 +7,9 @@ read (not evictable), and a policy choosing what to evict. So it reuses
 decisions, LRU and ARC, and its statistics) and adds the two things a tier
 needs that the CPU pool never does:
 
-* :meth:`SlotManager.remove`: drop idle keys by name (a block that failed
-  its checksum, or whose file went away), publishing a removal;
+* :meth:`~aiokvo.manager.cpu.CPUOffloadingManager.remove` (every CPU
+  manager has it): drop idle keys by name (a block that failed its
+  checksum, or whose file went away), publishing a removal;
 * :meth:`SlotManager.adopt`: rebuild the pool from what a previous process
   left on disk, each key in the slot it was found in.
 
@@ -19,7 +20,7 @@ Pure and synchronous, like the manager it extends.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 from aiokvo._util import check_int
 from aiokvo.errors import ConfigError
@@ -54,12 +55,6 @@ class SlotManager(CPUOffloadingManager):
         self.medium = medium
         if sink is not None:
             self._sink = sink
-        self._removed = 0
-
-    @property
-    def blocks_removed(self) -> int:
-        """Keys dropped by :meth:`remove` so far."""
-        return self._removed
 
     def slot_of(self, key: OffloadKey) -> int | None:
         """The slot ``key`` holds (ready or being written), or None."""
@@ -68,27 +63,6 @@ class SlotManager(CPUOffloadingManager):
     def is_ready(self, key: OffloadKey) -> bool:
         """``key`` is held and not being written (no counter moves, unlike ``lookup``)."""
         return key in self._policy and key not in self._writing
-
-    def remove(self, keys: Collection[OffloadKey]) -> list[OffloadKey]:
-        """Drop the ready, idle ``keys`` (others are left alone); the keys dropped.
-
-        Keys being written or read are skipped: the call that holds them
-        completes them, and a caller that wants them gone asks again then.
-        """
-        writing, pinned, policy = self._writing, self._pinned, self._policy
-        gone = [
-            k
-            for k in dict.fromkeys(keys)
-            if k in policy and k not in writing and k not in pinned
-        ]
-        if not gone:
-            return gone
-        self._free_ids += policy.block_ids(gone)
-        policy.remove(gone)
-        self._removed += len(gone)
-        if self._sink.active:
-            self._sink.publish(OffloadingEvent(list(gone), self.medium, True))
-        return gone
 
     def adopt(self, keys: Sequence[OffloadKey], slots: Sequence[int]) -> None:
         """Start from ``keys`` found ready in ``slots`` (oldest first); the rest are free.

@@ -173,7 +173,8 @@ class StoreTier(Tier):
             "on_abandon": self._abandoned,
         }  # fmt: skip
         self._writer = StoreHandler(store, rows, write=True, **common)
-        self._reader = StoreHandler(store, rows, write=False, **common)
+        self._reader = StoreHandler(store, rows, write=False, slots=settings.read_slots,
+                                    **common)  # fmt: skip
         tier_spec = spec_class(self.medium)
         return [
             (CPULoadStoreSpec, tier_spec, self._writer),
@@ -539,7 +540,7 @@ class StoreTier(Tier):
         handlers = [h for h in (self._writer, self._reader) if h is not None]
         for handler in handlers:
             await handler.aclose()
-        stuck = [h.dispatcher for h in handlers if h.abandoned]
+        stuck = [d for h in handlers if h.abandoned for d in h.dispatchers]
         close = self._close_store_after(stuck)
         try:
             # The store gets the tier's deadline to close; past it, it closes alone.

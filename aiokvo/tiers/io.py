@@ -8,6 +8,13 @@ reads (promotions a load waits for) never queue behind write-through. The
 loop only checks the transfer and enqueues it; it never runs a store's I/O
 (no ``assist``: a disk can stall, a memory copy cannot).
 
+Reads run in ``slots`` independent slots, each a thread of its own: a
+promotion goes to the least busy slot and finishes when it ends, whatever
+was submitted before it, so one stalled or large read (a request's
+prefetch) never holds up another request's. Writes stay one slot, in
+order: a full disk keeps exactly the blocks before the first that did not
+fit.
+
 Deadlines: a transfer has ``io_timeout`` seconds from submission, queueing
 included. The store starts no block after it, and a timer on the loop calls
 ``on_overdue(spec)`` if the job has not finished by then, so the tier's
@@ -26,6 +33,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+from aiokvo._util import check_int
 from aiokvo.errors import TransferSpecError
 from aiokvo.handlers.base import SingleDirectionHandler, Submission
 from aiokvo.handlers.host.dispatch import DispatchEvent, DispatchThread
@@ -59,6 +67,7 @@ class StoreHandler(SingleDirectionHandler):
         io_timeout: float,
         on_overdue: Overdue,
         on_abandon: Callable[[int], None] | None = None,
+        slots: int = 1,
         poller_mode: PollerMode | None = None,
         max_buffered: int = DEFAULT_MAX_BUFFERED,
     ) -> None:
@@ -68,6 +77,8 @@ class StoreHandler(SingleDirectionHandler):
             poller_mode=poller_mode,
             max_buffered=max_buffered,
         )
+        slots = 1 if write else check_int("read slots", slots, minimum=1, maximum=64)
+        self.ordered = slots == 1
         self.write = write
         self.store = store
         self.rows = rows
@@ -75,13 +86,22 @@ class StoreHandler(SingleDirectionHandler):
         self._on_overdue = on_overdue
         self._on_abandon_cb = on_abandon
         name = f"aiokvo-{medium.lower()}-{'write' if write else 'read'}"
-        self._dispatch = DispatchThread(name)
-        self._lane = (type(self).__name__, name, id(self))
+        self._slots = [
+            DispatchThread(name if slots == 1 else f"{name}-{i}") for i in range(slots)
+        ]
+        self._lanes = [(type(self).__name__, d.name, id(self)) for d in self._slots]
+        self._busy = [0] * slots  # transfers queued or running per slot
+        self._dispatch = self._slots[0]
         self.abandoned = 0
 
     @property
     def dispatcher(self) -> DispatchThread:
         return self._dispatch
+
+    @property
+    def dispatchers(self) -> list[DispatchThread]:
+        """Every slot's thread (one for writes)."""
+        return list(self._slots)
 
     # ------------------------------------------------------------------ submit
     def _submit(self, job_id: int, spec: TransferSpec) -> Submission:
@@ -108,14 +128,22 @@ class StoreHandler(SingleDirectionHandler):
         job = BlockJob(tier, cpu_rows, groups, time.monotonic() + self.io_timeout)
         run = partial(_run, self.store.write if self.write else self.store.read, job)
         event = DispatchEvent()  # no patience: the loop never runs a tier's I/O
-        self._dispatch.submit(run, event)
+        busy = self._busy
+        slot = busy.index(min(busy))
+        self._slots[slot].submit(run, event)
+        busy[slot] += 1
         timer = asyncio.get_running_loop().call_later(self.io_timeout, self._overdue, tier, event)
+
+        def release() -> None:
+            timer.cancel()
+            busy[slot] -= 1
+
         return Submission(
             source=event,
             transfer_size=total,
-            lane=self._lane,
+            lane=self._lanes[slot],
             elapsed=event.elapsed,
-            release=timer.cancel,
+            release=release,
         )
 
     def _overdue(self, spec: TierSpec, event: DispatchEvent) -> None:
@@ -145,7 +173,8 @@ class StoreHandler(SingleDirectionHandler):
 
     async def _close_backend(self) -> None:
         # A thread stuck in a job is left to finish alone (it takes no new job).
-        self._dispatch.shutdown(wait=not self.abandoned)
+        for dispatcher in self._slots:
+            dispatcher.shutdown(wait=not self.abandoned)
 
 
 def _run(io: Callable[[BlockJob], None], job: BlockJob) -> tuple[()]:

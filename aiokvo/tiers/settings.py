@@ -54,10 +54,13 @@ class TierSettings:
     """Keys tracked at most by admission counts and indexes (oldest forgotten first)."""
     max_write_blocks: int | None = None
     """CPU blocks pinned by this tier's writes in flight at most (None: half the pool)."""
+    read_slots: int = 4
+    """Reads (promotions, prefetches) in flight at once, each on its own thread: one
+    stalled or large read never holds up another request's."""
 
     kind: ClassVar[str] = ""
     _ints: ClassVar[tuple[str, ...]] = (
-        "admit_after", "failure_threshold", "max_tracked", "max_write_blocks",
+        "admit_after", "failure_threshold", "max_tracked", "max_write_blocks", "read_slots",
     )  # fmt: skip
     _seconds: ClassVar[tuple[str, ...]] = ("io_timeout", "reset_after", "max_reset_after")
 
@@ -72,6 +75,7 @@ class TierSettings:
                   check_int("failure_threshold", self.failure_threshold, minimum=1))  # fmt: skip
         self._set("max_tracked",
                   check_int("max_tracked", self.max_tracked, minimum=1, maximum=MAX_TRACKED))
+        self._set("read_slots", check_int("read_slots", self.read_slots, minimum=1, maximum=64))
         if self.max_write_blocks is not None:
             self._set("max_write_blocks",
                       check_int("max_write_blocks", self.max_write_blocks, minimum=1))
