@@ -146,7 +146,7 @@ class ChainCachePolicy(TwoListPolicy):
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
-        self._level = bytearray(cache_capacity)  # by block id: 0 cold, 1..3 hot
+        self._level = bytearray(cache_capacity)  # by block id, for hot blocks: 1..3
         self._stamp = array("q", bytes(8 * cache_capacity))  # by block id: clock at last use
         self._clock = 0
         self.horizon = max(1, 4 * cache_capacity)
@@ -175,10 +175,12 @@ class ChainCachePolicy(TwoListPolicy):
 
     def level(self, key: OffloadKey) -> int:
         """0 for a cold key, 1..3 for a hot one (``KeyError`` if not cached)."""
-        block_id = self.get(key)
-        if block_id is None:
-            raise KeyError(key)
-        return self._level[block_id]
+        block_id = self._second.get(key)
+        if block_id is not None:
+            return self._level[block_id]
+        if key in self._first:
+            return 0  # levels are kept for hot blocks only
+        raise KeyError(key)
 
     def seen_recently(self, key: OffloadKey) -> bool:
         """Whether the history remembers ``key`` (cached or not; may say yes wrongly)."""
