@@ -12,15 +12,18 @@ only the manager and the keys. See docs/policies.md.
 """
 
 from aiokvo.lab.belady import BeladyResult, belady_hits
+from aiokvo.lab.record import RecorderStatistics, TraceRecorder
 from aiokvo.lab.replay import ReplayResult, TierModel, TierResult, capacity_blocks, replay
 from aiokvo.lab.trace import Trace, parse_trace, read_trace
 
 __all__ = [
     "BeladyResult",
+    "RecorderStatistics",
     "ReplayResult",
     "TierModel",
     "TierResult",
     "Trace",
+    "TraceRecorder",
     "belady_hits",
     "capacity_blocks",
     "parse_trace",
