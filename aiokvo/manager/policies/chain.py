@@ -46,24 +46,29 @@ from aiokvo.manager.policies.lru import evictable
 
 __all__ = ["ChainCachePolicy", "SeenFilter", "key_hashes"]
 
+STAMP_SHIFT = 4
+_STAMP_MASK = 0xFFFFFFFF  # stamps are 32-bit and compared modulo 2**32
+
 MAX_LEVEL = 3
 """Hot blocks carry a level 1..MAX_LEVEL: how many idle horizons they survive."""
 
 SAMPLE_MASK = 31
 """Keys whose hash is 0 modulo 32 are sampled to learn the horizon."""
 
-SAMPLED_KEYS = 4096
-"""At most this many sampled keys are remembered (their last reference)."""
+SAMPLED_KEYS = 512
+"""At least this many sampled keys are remembered (their last reference), and
+at most half the pool's size when that is more: enough to see reuse intervals
+many pools long."""
 
 INTERVALS = 1024
 """The horizon is a quantile of this many latest sampled reuse intervals."""
 
 HORIZON_QUANTILE = 0.9
 
-BITS_PER_KEY = 32
-"""Bloom filter bits per key expected in a horizon: with two probes, about 0.4%
-of never-seen keys look seen in each filter (8 bits would make it 5%, and a
-pool of 1% of the trace then fills its hot list with them)."""
+BITS_PER_KEY = 16
+"""Bloom filter bits per key expected in a horizon: with two probes about 1.4% of
+never-seen keys look seen in each filter (at 8 bits it is 5%, and a pool of 1%
+of the Mooncake trace then fills its hot list with them; 32 bits gain nothing)."""
 
 _SECOND_SEED = 0x9E3779B9
 
@@ -87,7 +92,7 @@ class SeenFilter:
 
     def __init__(self, expected_keys: int) -> None:
         self._current_mask, self._current = self._filter(expected_keys)
-        self._older_mask, self._older = self._filter(expected_keys)
+        self._older_mask, self._older = self._filter(0)  # nothing to remember yet
 
     @staticmethod
     def _filter(expected_keys: int) -> tuple[int, bytearray]:
@@ -147,9 +152,11 @@ class ChainCachePolicy(TwoListPolicy):
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self._level = bytearray(cache_capacity)  # by block id, for hot blocks: 1..3
-        self._stamp = array("q", bytes(8 * cache_capacity))  # by block id: clock at last use
+        # By block id: the clock at last use, in units of 2**STAMP_SHIFT references
+        # (4 bytes a block; idle times are computed modulo 2**32 units).
+        self._stamp = array("I", bytes(4 * cache_capacity))
         self._clock = 0
-        self.horizon = max(1, 4 * cache_capacity)
+        self.horizon = max(1, cache_capacity)  # until enough intervals are sampled
         self._rotate_at = self.horizon
         self._seen = SeenFilter(self.horizon)
         self._sampled: dict[OffloadKey, int] = {}
@@ -194,7 +201,7 @@ class ChainCachePolicy(TwoListPolicy):
         warm = self._seen.leading_seen(firsts, seconds)
         if warm:
             self._second.update(zip(keys[:warm], block_ids[:warm], strict=True))
-            level, stamp, clock = self._level, self._stamp, self._clock
+            level, stamp, clock = self._level, self._stamp, self._clock >> STAMP_SHIFT & _STAMP_MASK
             for block_id in block_ids[:warm]:
                 level[block_id] = 1
                 stamp[block_id] = clock
@@ -224,7 +231,7 @@ class ChainCachePolicy(TwoListPolicy):
                     reused.append(key)
                     promoted.append(block_id)
         if reused:
-            level, stamp, clock = self._level, self._stamp, self._clock
+            level, stamp, clock = self._level, self._stamp, self._clock >> STAMP_SHIFT & _STAMP_MASK
             for block_id in again:
                 stamp[block_id] = clock
                 if level[block_id] < MAX_LEVEL:
@@ -265,15 +272,16 @@ class ChainCachePolicy(TwoListPolicy):
     def _expire(self) -> None:
         """Hot blocks idle for a horizon lose a level; at zero they turn cold (oldest)."""
         hot, cold, level, stamp = self._second, self._first, self._level, self._stamp
-        limit = self._clock - self.horizon
+        span = max(1, self.horizon >> STAMP_SHIFT)
+        now = self._clock >> STAMP_SHIFT & _STAMP_MASK
         while hot:
             key = next(iter(hot))
             block_id = hot[key]
-            if stamp[block_id] > limit:
+            if (now - stamp[block_id]) & _STAMP_MASK < span:
                 return
             if level[block_id] > 1:
                 level[block_id] -= 1
-                stamp[block_id] = self._clock
+                stamp[block_id] = now
                 hot.move_to_end(key)
             else:
                 level[block_id] = 0
@@ -300,6 +308,6 @@ class ChainCachePolicy(TwoListPolicy):
                 ordered = sorted(self._intervals)
                 quantile = ordered[int(len(ordered) * HORIZON_QUANTILE)]
                 self.horizon = max(self.cache_capacity, quantile, 1)
-        elif len(sampled) >= SAMPLED_KEYS:
+        elif len(sampled) >= max(SAMPLED_KEYS, self.cache_capacity // 2):
             del sampled[next(iter(sampled))]
         sampled[key] = clock
