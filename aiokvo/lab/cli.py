@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -102,7 +103,8 @@ def run_replay(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if args.plot:
         from aiokvo.lab.plot import plot_hit_rates
 
-        plot_hit_rates(rows, args.plot, title=f"{args.trace}: {len(trace)} requests, "
+        name = os.path.basename(args.trace)
+        plot_hit_rates(rows, args.plot, title=f"{name}: {len(trace)} requests, "
                                               f"{trace.references} block references")  # fmt: skip
         err.write(f"aiokvo replay: wrote {args.plot}\n")
     return 0

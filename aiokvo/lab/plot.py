@@ -57,7 +57,7 @@ def plot_hit_rates(
         axes.set_ylabel("hit rate (% of block references)")
         axes.set_ylim(bottom=0)
         axes.grid(True, alpha=0.3)
-        axes.legend(fontsize="small")
+        axes.legend(fontsize="small", loc="lower right")
         if title:
             axes.set_title(title, fontsize="medium")
         figure.tight_layout()
