@@ -108,20 +108,22 @@ def steady_bytes_per_block(trace: Trace, policy: str, blocks: int) -> float:
     return (after - before) / len(manager)
 
 
-def memory(trace: Trace, policies: list[str], fractions: list[float], fill: int) -> None:
+def memory(
+    trace: Trace, policies: list[str], fractions: list[float], fills: list[int], steady: bool
+) -> None:
     print("## 2. Bytes per cached block\n")
-    print(f"fill: bench_manager.py's measurement at {fill} blocks (target <= 128); steady: "
-          "after replaying the trace at each size (ghosts and filters included)\n")  # fmt: skip
-    head = " | ".join(f"steady {f:g}" for f in fractions)
-    print(f"| policy | fill | {head} |")
-    print("|---|---|" + "---|" * len(fractions))
+    print("fill N: bench_manager.py's measurement with N blocks (its default is 10,000; "
+          "target <= 128); steady F: after replaying the trace with a pool of F of its "
+          "distinct blocks (ghosts and filters included)\n")  # fmt: skip
+    heads = [f"fill {n}" for n in fills] + ([f"steady {f:g}" for f in fractions] if steady else [])
+    print("| policy | " + " | ".join(heads) + " |")
+    print("|---|" + "---|" * len(heads))
     for policy in policies:
-        filled = bytes_per_block(fill, policy)
-        steady = [
-            steady_bytes_per_block(trace, policy, capacity_blocks(f, trace.distinct_blocks))
-            for f in fractions
-        ]
-        print(f"| {policy} | {filled:.1f} | " + " | ".join(f"{s:.0f}" for s in steady) + " |")
+        cells = [f"{bytes_per_block(n, policy):.1f}" for n in fills]
+        if steady:
+            sizes = [capacity_blocks(f, trace.distinct_blocks) for f in fractions]
+            cells += [f"{steady_bytes_per_block(trace, policy, n):.0f}" for n in sizes]
+        print(f"| {policy} | " + " | ".join(cells) + " |")
     print()
 
 
@@ -131,14 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", nargs="+", default=list(BUILTIN_POLICIES))
     parser.add_argument("--capacity", nargs="+", type=float, default=[0.01, 0.02, 0.05, 0.1])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--fill", type=int, default=100_000,
-                        help="blocks for the fill measurement (bench_manager's)")
+    parser.add_argument("--fill", type=int, nargs="+", default=[10_000],
+                        help="pool sizes for the fill measurement (bench_manager's)")
+    parser.add_argument("--steady", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure after replaying the trace")
     parser.add_argument("--quick", action="store_true",
                         help="a small synthetic trace, one round, small fill (a smoke test)")
     parser.add_argument("--only", choices=["speed", "memory"])
     args = parser.parse_args(argv)
     if args.quick:
-        trace, args.rounds, args.fill = synthetic(400), 1, 2000
+        trace, args.rounds, args.fill = synthetic(400), 1, [2000]
     elif args.trace:
         trace = read_trace(args.trace)
     else:
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "speed"):
         speed(trace, policies, args.capacity, args.rounds)
     if args.only in (None, "memory"):
-        memory(trace, policies, args.capacity, args.fill)
+        memory(trace, policies, args.capacity, args.fill, args.steady)
     return 0
 
 

@@ -42,7 +42,7 @@ def plot_hit_rates(
         bound[fraction] = 100 * _number(row, "belady_hit_rate")
     if not lines:
         raise ConfigError("nothing to plot: no replay results")
-    figure, axes = pyplot.subplots(figsize=(7, 4.5), dpi=100)
+    figure, axes = pyplot.subplots(figsize=(8.5, 4.5), dpi=100)
     try:
         xs = sorted(bound)
         axes.plot([100 * x for x in xs], [bound[x] for x in xs], "k--", linewidth=2,
@@ -57,7 +57,7 @@ def plot_hit_rates(
         axes.set_ylabel("hit rate (% of block references)")
         axes.set_ylim(bottom=0)
         axes.grid(True, alpha=0.3)
-        axes.legend(fontsize="small", loc="lower right")
+        axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
         if title:
             axes.set_title(title, fontsize="medium")
         figure.tight_layout()
