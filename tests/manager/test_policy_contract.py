@@ -211,8 +211,8 @@ class ContractMachine(RuleBasedStateMachine):
 
 TestPolicyContract = ContractMachine.TestCase
 TestPolicyContract.settings = settings(
-    max_examples=300,
-    stateful_step_count=80,
+    max_examples=150,
+    stateful_step_count=60,
     derandomize=True,
     database=None,
     deadline=None,

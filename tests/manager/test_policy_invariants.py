@@ -103,7 +103,8 @@ class PolicyMachine(RuleBasedStateMachine):
         used = [key for key in keys if key in self.model and key not in writing]
         if isinstance(self.policy, SLRUCachePolicy):
             assert len(self.policy.protected) <= self.policy.protected_capacity
-            if self.policy.protected_capacity >= len(used):
+            # (protected keys touched while being written are moved too, and count)
+            if self.policy.protected_capacity >= len([k for k in keys if k in self.model]):
                 assert set(used) <= set(self.policy.protected)
         if isinstance(self.policy, SIEVECachePolicy):
             assert all(self.policy.visited(key) for key in used)
@@ -210,8 +211,8 @@ class PolicyMachine(RuleBasedStateMachine):
 
 TestPolicyInvariants = PolicyMachine.TestCase
 TestPolicyInvariants.settings = settings(
-    max_examples=300,
-    stateful_step_count=60,
+    max_examples=150,
+    stateful_step_count=50,
     derandomize=True,
     database=None,
     deadline=None,

@@ -216,11 +216,14 @@ class ChainCachePolicy(TwoListPolicy):
         reused: list[OffloadKey] = []
         again: list[int] = []  # block ids of hot keys used again
         promoted: list[int] = []  # block ids of cold keys used again (now hot)
+        refreshed: list[int] = []  # block ids of hot keys touched by their own store
         for key in reversed(keys):  # last first: the head of the chain ends most recent
             block_id = get_hot(key)
             if block_id is not None:
                 move_hot(key)
-                if key not in writing:
+                if key in writing:
+                    refreshed.append(block_id)
+                else:
                     reused.append(key)
                     again.append(block_id)
             elif key in cold:
@@ -231,16 +234,19 @@ class ChainCachePolicy(TwoListPolicy):
                     reused.append(key)
                     promoted.append(block_id)
         if reused:
-            level, stamp, clock = self._level, self._stamp, self._clock >> STAMP_SHIFT & _STAMP_MASK
-            for block_id in again:
-                stamp[block_id] = clock
-                if level[block_id] < MAX_LEVEL:
-                    level[block_id] += 1
-            for block_id in promoted:
-                stamp[block_id] = clock
-                level[block_id] = 1
             self._remember(reused, *key_hashes(reused))
             self._advance(len(reused))
+        # Every hot key touched starts a new idle time now, so none expires below.
+        level, stamp, now = self._level, self._stamp, self._clock >> STAMP_SHIFT & _STAMP_MASK
+        for block_id in again:
+            stamp[block_id] = now
+            if level[block_id] < MAX_LEVEL:
+                level[block_id] += 1
+        for block_id in promoted:
+            stamp[block_id] = now
+            level[block_id] = 1
+        for block_id in refreshed:
+            stamp[block_id] = now
         self._expire()
 
     def evict(self, n: int, exclude: Sequence[Container[OffloadKey]]) -> Evicted | None:
@@ -260,6 +266,8 @@ class ChainCachePolicy(TwoListPolicy):
         self._sampled.clear()
         self._intervals.clear()
         self._new_intervals = 0
+        self.horizon = max(1, self.cache_capacity)
+        self._rotate_at = self._clock + self.horizon
 
     # -- time ------------------------------------------------------------------
 
@@ -272,13 +280,13 @@ class ChainCachePolicy(TwoListPolicy):
     def _expire(self) -> None:
         """Hot blocks idle for a horizon lose a level; at zero they turn cold (oldest)."""
         hot, cold, level, stamp = self._second, self._first, self._level, self._stamp
-        span = max(1, self.horizon >> STAMP_SHIFT)
+        span = self.horizon >> STAMP_SHIFT
         now = self._clock >> STAMP_SHIFT & _STAMP_MASK
         while hot:
             key = next(iter(hot))
             block_id = hot[key]
-            if (now - stamp[block_id]) & _STAMP_MASK < span:
-                return
+            if (now - stamp[block_id]) & _STAMP_MASK <= span:
+                return  # idle for at most a horizon (and so is every key after it)
             if level[block_id] > 1:
                 level[block_id] -= 1
                 stamp[block_id] = now
