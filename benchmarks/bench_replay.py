@@ -15,9 +15,13 @@
    from before the manager is made to the end of a replay of the trace at
    that size (key objects again excluded: the trace made them first), so
    it includes ghost lists, filters and every other history a policy keeps.
+3. **A second workload** (``--only zipf``): hit rates on bench_manager.py's trace
+   (prefix trees with stationary Zipf popularity), beside Belady's, so a policy
+   tuned to one trace shows where it loses on another.
 
-    python benchmarks/bench_replay.py TRACE.jsonl                 # both sections
+    python benchmarks/bench_replay.py TRACE.jsonl                 # every section
     python benchmarks/bench_replay.py TRACE.jsonl --rounds 5 --capacity 0.01 0.1
+    python benchmarks/bench_replay.py --only zipf                  # the second workload only
     python benchmarks/bench_replay.py --quick                      # a synthetic trace, smoke
 """
 
@@ -35,8 +39,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_manager import Trace as ZipfTrace
 from bench_manager import bytes_per_block
 
+from aiokvo.lab.belady import belady_hits
 from aiokvo.lab.replay import capacity_blocks, replay
 from aiokvo.lab.trace import Trace, parse_trace, read_trace
 from aiokvo.manager.cpu import CPUOffloadingManager
@@ -127,6 +133,25 @@ def memory(
     print()
 
 
+def zipf_section(policies: list[str], requests: int) -> None:
+    """Hit rates on a second workload: bench_manager.py's trace (stationary popularity)."""
+    print("## 3. A second workload: bench_manager.py's Zipf prefix trees\n")
+    print(f"64-key sequences sharing prefixes, universe 8,000 blocks, Zipf(1.0) popularity, "
+          f"{requests} requests, seed 0 (bench_manager.Trace.generate(2000, ...))\n")  # fmt: skip
+    trace = ZipfTrace.generate(2000, requests, 0)
+    sequences = trace.key_lists()
+    keyed = [sequences[i] for i in trace.requests.tolist()]
+    ids = [[hash(key) for key in request] for request in keyed]
+    sizes = (500, 1000, 2000, 4000)
+    print("| policy | " + " | ".join(f"{n} blocks" for n in sizes) + " |")
+    print("|---|" + "---|" * len(sizes))
+    for policy in policies:
+        rates = [replay(keyed, policy, n).hit_rate for n in sizes]
+        print(f"| {policy} | " + " | ".join(f"{100 * r:.1f}%" for r in rates) + " |")
+    bounds = [belady_hits(ids, n).hit_rate for n in sizes]
+    print("| Belady | " + " | ".join(f"{100 * r:.1f}%" for r in bounds) + " |\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", nargs="?", help="a JSONL trace (Mooncake format)")
@@ -139,13 +164,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="also measure after replaying the trace")
     parser.add_argument("--quick", action="store_true",
                         help="a small synthetic trace, one round, small fill (a smoke test)")
-    parser.add_argument("--only", choices=["speed", "memory"])
+    parser.add_argument("--only", choices=["speed", "memory", "zipf"])
+    parser.add_argument("--zipf-requests", type=int, default=20_000)
     args = parser.parse_args(argv)
     if args.quick:
         trace, args.rounds, args.fill = synthetic(400), 1, [2000]
     elif args.trace:
         trace = read_trace(args.trace)
-    else:
+    elif args.only != "zipf":
         parser.error("give a trace file, or --quick")
     policies = ["lru", *[p for p in args.policy if p != "lru"]]
     print(f"# bench_replay ({time.strftime('%Y-%m-%d')}, Python {platform.python_version()}, "
@@ -154,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         speed(trace, policies, args.capacity, args.rounds)
     if args.only in (None, "memory"):
         memory(trace, policies, args.capacity, args.fill, args.steady)
+    if args.only in (None, "zipf"):
+        zipf_section(policies, 1000 if args.quick else args.zipf_requests)
     return 0
 
 

@@ -26,7 +26,9 @@ recency alone (LRU) keeps the wrong ones. This policy therefore:
 
 The design borrows SLRU's two segments and TinyLFU's (Einziger et al.,
 2017) idea of remembering evicted keys in a sketch; what is new is the
-chain rule and the learned, idle-time aging. Time is counted in block
+chain rule and the learned, idle-time aging. Its weak spot is popularity
+that never changes: there every returning block goes hot, the long tail
+crowds out the popular blocks, and ARC does better (docs/policies.md). Time is counted in block
 references (keys stored or reused), so it needs no clock. Keys are hashed
 with CRC-32, so decisions do not depend on Python's hash seed.
 """
