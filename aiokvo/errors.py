@@ -37,6 +37,7 @@ __all__ = [
     "TierTimeoutError",
     "TierUnavailableError",
     "TransferError",
+    "TraceFormatError",
     "TransferSpecError",
     "UnknownKeyError",
     "UnknownPolicyError",
@@ -56,6 +57,10 @@ class ConfigError(AiokvoError, ValueError):
 
 class UnknownPolicyError(ConfigError):
     """A cache policy name or module path that does not resolve to a policy."""
+
+
+class TraceFormatError(AiokvoError, ValueError):
+    """A request trace line that is not a Mooncake-format request (``aiokvo.lab``)."""
 
 
 class SpecLoadError(ConfigError):

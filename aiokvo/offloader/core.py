@@ -34,7 +34,7 @@ through to the tiers behind their admission filters
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -179,6 +179,9 @@ class Offloader(AsyncResource):
         self._load_seconds = self._store_seconds = 0.0
         self._cpu_hit_blocks = 0
         self._loads_in_flight = self._stores_in_flight = 0
+        # Opt-in request recording (aiokvo.lab.record.TraceRecorder): called with each
+        # load_prefix/pin_prefix's keys; None (the default) costs one test per call.
+        self.recorder: Callable[[Sequence[OffloadKey]], None] | None = None
 
     # ----------------------------------------------------------------- parts
     @property
@@ -249,6 +252,8 @@ class Offloader(AsyncResource):
         """
         self._check_open("load_prefix")
         keys = _as_list(keys)
+        if self.recorder is not None:
+            self.recorder(keys)
         blocks = self._geometry.resolve(len(keys), gpu_block_ids, "load_prefix")
         ctx = self._ctx if ctx is None else ctx
         self._loads += 1
@@ -317,6 +322,8 @@ class Offloader(AsyncResource):
         """
         self._check_open("pin_prefix")
         keys = _as_list(keys)
+        if self.recorder is not None:
+            self.recorder(keys)
         ctx = self._ctx if ctx is None else ctx
         n = self._manager.lookup_prefix(keys, ctx)
         if n is None:

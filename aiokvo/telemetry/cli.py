@@ -1,4 +1,4 @@
-"""``aiokvo`` / ``python -m aiokvo.telemetry``: command-line tools (one so far: ``watch``)."""
+"""``aiokvo`` / ``python -m aiokvo.telemetry``: command-line tools (``watch``, ``replay``)."""
 
 from __future__ import annotations
 
@@ -38,12 +38,17 @@ def _parser() -> argparse.ArgumentParser:
                        help="stop after this many seconds (default: until interrupted)")
     watch.add_argument("--plain", action="store_true",
                        help="plain lines even on a terminal (the default when piped)")
+    from aiokvo.lab.cli import add_replay_command  # the policy lab: aiokvo replay
+
+    add_replay_command(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "replay":
+        return int(args.handler(args))
     from aiokvo.telemetry.watch import watch
 
     try:

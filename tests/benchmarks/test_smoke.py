@@ -35,3 +35,15 @@ def test_bench_tiers_mooncake_section_runs_on_a_local_cluster() -> None:
     assert "## Mooncake, on a loopback cluster" in out.stdout
     assert "| 512 KiB | median |" in out.stdout
     assert "| with the Mooncake tier |" in out.stdout
+
+
+def test_bench_replay_quick_prints_every_section_for_every_policy() -> None:
+    out = subprocess.run(
+        [sys.executable, "benchmarks/bench_replay.py", "--quick", "--capacity", "0.05"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "## 1. Replay speed" in out.stdout and "## 2. Bytes per cached block" in out.stdout
+    assert "## 3. A second workload" in out.stdout and "| Belady |" in out.stdout
+    for policy in ("lru", "arc", "slru", "sieve", "s3fifo", "chain"):
+        assert out.stdout.count(f"| {policy} |") == 3, policy  # a row in each table

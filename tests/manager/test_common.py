@@ -2,9 +2,11 @@
 
 Block pool allocation, reference counts, store/load errors, protection
 during eviction and the event stream, checked with exact block ids on
-hand-worked scenarios; each test runs under both built-in policies.
-Scenarios are chosen so both policies evict the same block (every key sits
-in ARC's T1 with target 0, which then behaves like LRU).
+hand-worked scenarios; each test runs under every built-in policy.
+Scenarios are chosen so all policies evict the same block: keys are used
+once at most (every key sits in ARC's T1 with target 0, SLRU's and
+``chain``'s probation, S3-FIFO's small queue, SIEVE's unvisited blocks), so
+every policy falls back to evicting the oldest first.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from aiokvo.errors import (
 )
 from aiokvo.keys import OffloadKey, make_offload_key
 from aiokvo.manager.cpu import CPUOffloadingManager
+from aiokvo.manager.policies import BUILTIN_POLICIES
 from aiokvo.specs import CPULoadStoreSpec, LoadStoreSpec, OffloadingEvent, ReqContext
 
 CTX = ReqContext()
 
-pytestmark = pytest.mark.parametrize("policy", ["lru", "arc"])
+pytestmark = pytest.mark.parametrize("policy", sorted(BUILTIN_POLICIES))
 
 
 def k(name: str) -> OffloadKey:

@@ -1,6 +1,8 @@
 """Resolve a cache policy from a name, a class, or a module path.
 
-Built-in names are ``"lru"`` and ``"arc"``. Anything else is treated as
+Built-in names are ``"lru"`` and ``"arc"`` (vLLM's two), and aiokvo's own
+``"slru"``, ``"sieve"``, ``"s3fifo"`` and ``"chain"`` (docs/policies.md says
+when to pick which). Anything else is treated as
 ``"package.module:ClassName"`` (or ``"package.module.ClassName"``) so an
 out-of-tree policy can be plugged in from configuration alone.
 """
@@ -12,13 +14,21 @@ import importlib
 from aiokvo.errors import UnknownPolicyError
 from aiokvo.manager.policies.arc import ARCCachePolicy
 from aiokvo.manager.policies.base import CachePolicy
+from aiokvo.manager.policies.chain import ChainCachePolicy
 from aiokvo.manager.policies.lru import LRUCachePolicy
+from aiokvo.manager.policies.s3fifo import S3FIFOCachePolicy
+from aiokvo.manager.policies.sieve import SIEVECachePolicy
+from aiokvo.manager.policies.slru import SLRUCachePolicy
 
 __all__ = ["BUILTIN_POLICIES", "resolve_policy"]
 
 BUILTIN_POLICIES: dict[str, type[CachePolicy]] = {
     "lru": LRUCachePolicy,
     "arc": ARCCachePolicy,
+    "slru": SLRUCachePolicy,
+    "sieve": SIEVECachePolicy,
+    "s3fifo": S3FIFOCachePolicy,
+    "chain": ChainCachePolicy,
 }
 
 
