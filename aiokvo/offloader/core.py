@@ -46,7 +46,7 @@ from aiokvo.events import EventSubscription
 from aiokvo.factory import OffloadingSpecFactory
 from aiokvo.handlers.task import TransferTask
 from aiokvo.handlers.worker import OffloadingWorker
-from aiokvo.keys import OffloadKey
+from aiokvo.keys import OffloadKey, check_keys, key_sequence
 from aiokvo.layout import CanonicalKVCaches, EngineKVCaches, KVLayout
 from aiokvo.manager.base import OffloadingManager
 from aiokvo.manager.sink import OverflowPolicy
@@ -247,8 +247,8 @@ class Offloader(AsyncResource):
         hold anything). Cancelling the caller cancels the wait, never the copy.
         """
         self._check_open("load_prefix")
-        keys = _as_list(keys)
-        blocks = self._geometry.resolve(len(keys), gpu_block_ids, "load_prefix")
+        keys = _as_list(keys, "Offloader.load_prefix")
+        blocks = self._geometry.resolve(len(keys), gpu_block_ids, "load_prefix", distinct=True)
         ctx = self._ctx if ctx is None else ctx
         self._loads += 1
         tiers = self._tiers
@@ -315,7 +315,7 @@ class Offloader(AsyncResource):
         for several groups, pin each group's keys separately.
         """
         self._check_open("pin_prefix")
-        keys = _as_list(keys)
+        keys = _as_list(keys, "Offloader.pin_prefix")
         ctx = self._ctx if ctx is None else ctx
         n = self._manager.lookup_prefix(keys, ctx)
         if n is None:
@@ -345,7 +345,7 @@ class Offloader(AsyncResource):
         before reusing them.
         """
         self._check_open("store")
-        keys = _as_list(keys)
+        keys = _as_list(keys, "Offloader.store")
         blocks = self._geometry.resolve(len(keys), gpu_block_ids, "store")
         ctx = self._ctx if ctx is None else ctx
         self._stores += 1
@@ -412,13 +412,15 @@ class Offloader(AsyncResource):
 
         Returns at once (without yielding) when none is. Any number of
         coroutines may wait; each is woken when the stores end, successful or
-        not. Cancelling a waiter cancels only its wait.
+        not. Cancelling a waiter cancels only its wait. A bare key (not in a list)
+        raises :class:`~aiokvo.errors.InvalidKeyError`, as in every call taking keys.
         """
         self._check_open("ready")
+        keys = key_sequence(keys, "Offloader.ready")  # a bare key would be read as ints
+        check_keys(keys, "Offloader.ready")
         writing = self._writing
         if not writing:
             return
-        keys = _as_list(keys)
         while True:
             stores = {copy for key in keys if (copy := writing.get(key)) is not None}
             if not stores:
@@ -733,5 +735,6 @@ def _dtype_of(kv_caches: object) -> str | None:
     return ",".join(found) or None
 
 
-def _as_list(keys: Iterable[OffloadKey]) -> list[OffloadKey]:
-    return keys if isinstance(keys, list) else list(keys)
+def _as_list(keys: Iterable[OffloadKey], what: str) -> list[OffloadKey]:
+    """``keys`` as a list; a bare key (bytes, which iterates as ints) is refused."""
+    return keys if type(keys) is list else list(key_sequence(keys, what))

@@ -38,7 +38,7 @@ import numpy as np
 
 from aiokvo._util import check_choice, check_int
 from aiokvo.errors import ConfigError
-from aiokvo.keys import GROUP_IDX_BYTES, OffloadKey
+from aiokvo.keys import GROUP_IDX_BYTES, OffloadKey, check_keys, key_sequence
 from aiokvo.specs import BlockMetadata, ReqContext
 
 __all__ = [
@@ -345,13 +345,13 @@ class EventTranslator:
         blocks that will be published. Raises :class:`ConfigError` if the
         metadata does not cover the keys, before recording anything.
         """
+        keys = key_sequence(keys, "describe")  # a bare key iterates as ints
+        check_keys(keys, "describe")
         metadata = context.block_metadata if isinstance(context, ReqContext) else context
         if metadata is None:
             return
         if not isinstance(metadata, BlockMetadata):
             raise ConfigError(f"context must carry a BlockMetadata, got {metadata!r}")
-        if not isinstance(keys, list | tuple):
-            keys = list(keys)
         count = len(keys)
         per_key = metadata.blocks_per_key
         if len(metadata.token_ids) < count * per_key * metadata.block_size:

@@ -17,6 +17,7 @@ import torch
 from aiokvo import GPULoadStoreSpec, Offloader, PrefixLease, StoreResult
 from aiokvo.errors import (
     ConfigError,
+    InvalidKeyError,
     LeaseError,
     OffloaderClosedError,
     TransferSpecError,
@@ -415,6 +416,32 @@ async def test_bad_input_raises_typed_errors_before_any_state_changes(
         Offloader({"cpu_bytes_to_use": 1}, kv.caches)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="max_buffered"):
         Offloader(kv.config(4), kv.caches, max_buffered=-1)
+    assert_idle(off)
+
+
+async def test_a_bare_key_is_refused_wherever_a_list_of_keys_is_taken(
+    setup: tuple[Offloader, KV], copies: Copies
+) -> None:
+    """A key is bytes, so iterating one yields ints: ``ready(key)`` used to return at
+    once while that very key was being written."""
+    off, kv = setup
+    (a,) = keys("a")
+    store = await _store_in_flight(off, kv, copies, [a], [0])
+    assert off.statistics().writing_keys == 1
+    with pytest.raises(InvalidKeyError, match=r"Offloader.ready takes a list of keys, got a bare"):
+        await off.ready(a)
+    with pytest.raises(InvalidKeyError, match=r"Offloader\.ready: 7 is not an OffloadKey"):
+        await off.ready([7])  # type: ignore[list-item]
+    with pytest.raises(InvalidKeyError, match=r"Offloader\.load_prefix takes a list of keys"):
+        await off.load_prefix(a, [1])
+    with pytest.raises(InvalidKeyError, match=r"Offloader\.store takes a list of keys"):
+        await off.store(a, [1])
+    with pytest.raises(InvalidKeyError, match=r"Offloader\.pin_prefix takes a list of keys"):
+        off.pin_prefix(a)
+    assert not store.done()  # nothing above waited for, or touched, the store in flight
+    copies.gate.set()
+    assert (await store).stored == (a,)
+    await off.ready((a,))  # a tuple is a list of keys
     assert_idle(off)
 
 

@@ -7,7 +7,7 @@ import hashlib
 import msgspec
 import pytest
 
-from aiokvo.errors import ConfigError
+from aiokvo.errors import ConfigError, InvalidKeyError
 from aiokvo.keys import OffloadKey, make_offload_key
 from aiokvo.specs import BlockMetadata, OffloadingEvent, ReqContext
 from aiokvo.telemetry.kv_wire import EventBatch, EventTranslator, WireMedium
@@ -273,3 +273,17 @@ def test_keys_of_mixed_or_short_lengths_still_publish_their_hashes() -> None:
     for keys in (short, mixed, short + mixed):
         (event,) = decode(EventTranslator(), OffloadingEvent(keys, "CPU", True)).events
         assert event.block_hashes == [spec.external_hash(block_hash(k)) for k in keys]
+
+
+def test_describe_refuses_a_bare_key() -> None:
+    """``describe(key, ...)`` would record each byte of the key as a key of its own."""
+    k = make_offload_key(b"h" * 8, 0)
+    translator = EventTranslator()
+    meta = BlockMetadata(token_ids=list(range(4 * len(k))), block_size=4)
+    with pytest.raises(InvalidKeyError, match="describe takes a list of keys, got a bare"):
+        translator.describe(k, meta)  # type: ignore[arg-type]
+    with pytest.raises(InvalidKeyError, match="describe: 3 is not an OffloadKey"):
+        translator.describe([3], meta)  # type: ignore[list-item]
+    assert translator.described == 0
+    translator.describe((k,), meta)
+    assert translator.described == 1
