@@ -10,14 +10,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-from aiokvo import GPULoadStoreSpec, Offloader, PrefixLease, StoreResult
+from aiokvo import CPULoadStoreSpec, GPULoadStoreSpec, Offloader, PrefixLease, StoreResult
 from aiokvo.errors import (
     ConfigError,
     InvalidKeyError,
+    InvalidSpecError,
     LeaseError,
     OffloaderClosedError,
     TransferSpecError,
@@ -442,6 +445,50 @@ async def test_a_bare_key_is_refused_wherever_a_list_of_keys_is_taken(
     copies.gate.set()
     assert (await store).stored == (a,)
     await off.ready((a,))  # a tuple is a list of keys
+    assert_idle(off)
+
+
+async def test_one_gpu_block_named_twice_in_a_load_is_refused(
+    setup: tuple[Offloader, KV],
+) -> None:
+    off, kv = setup
+    ks = keys("a", "b", "c")
+    kv.write([0, 1, 2], ks)
+    await off.store(ks, [0, 1, 2])
+    before = off.statistics().manager
+    with pytest.raises(TransferSpecError, match=r"GPU block 5 .* twice"):
+        await off.load_prefix(ks, [4, 5, 5])
+    with pytest.raises(TransferSpecError, match=r"GPU block 5 .* twice"):
+        await off.load_prefix(ks, np.array([5, 4, 5]))
+    with pytest.raises(TransferSpecError, match=r"GPU block 6 .* twice"):
+        await off.load_prefix(ks, GPULoadStoreSpec([6, 7, 6], [3], [0]))
+    assert off.statistics().manager == before  # refused before anything was pinned
+    lease = off.pin_prefix(ks)
+    assert lease is not None
+    with pytest.raises(TransferSpecError, match="twice"):
+        await lease.load_into([8, 8, 9])
+    assert await lease.load_into([8, 9, 10]) == 3
+    result = await off.store(keys("d", "e"), [3, 3])  # reading one block twice is harmless
+    assert result.stored == tuple(keys("d", "e"))
+    assert_idle(off)
+
+
+@pytest.mark.parametrize("ids", [[0, True], [False, 1], (0, True)])
+async def test_a_bool_among_block_ids_is_refused(
+    setup: tuple[Offloader, KV], ids: Any
+) -> None:
+    off, kv = setup
+    ks = keys("a", "b")
+    kv.write([0, 1], ks)
+    with pytest.raises(TransferSpecError, match="bool"):
+        await off.store(ks, ids)
+    with pytest.raises(TransferSpecError, match="bool"):
+        await off.load_prefix(ks, ids)
+    with pytest.raises(InvalidSpecError, match="bool"):
+        GPULoadStoreSpec(list(ids), [2], [0])
+    with pytest.raises(InvalidSpecError, match="bool"):
+        CPULoadStoreSpec(list(ids))
+    assert off.statistics().stores == 0 or off.statistics().blocks_stored == 0
     assert_idle(off)
 
 
