@@ -53,6 +53,7 @@ from aiokvo.manager.sink import OverflowPolicy
 from aiokvo.offloader.blocks import GpuBlockIds, GpuBlocks, GpuGeometry
 from aiokvo.offloader.inflight import InFlight
 from aiokvo.offloader.lease import PrefixLease
+from aiokvo.offloader.refusals import PoolPressure, RefusalLog
 from aiokvo.offloader.results import OffloaderStatistics, StoreResult
 from aiokvo.offloader.tiered import Promotion, TierDriver, positions
 from aiokvo.offloading_spec import CPUOffloadingSpec, OffloadingSpec
@@ -173,7 +174,8 @@ class Offloader(AsyncResource):
         self._loads = self._leases_made = self._hit_blocks = self._miss_blocks = 0
         self._blocks_loaded = self._blocks_load_failed = 0
         self._store_waits = self._polled_waits = self._waiters = self._cancelled_waits = 0
-        self._stores = self._stores_refused = 0
+        self._stores = self._stores_refused = self._blocks_store_refused = 0
+        self._refusals = RefusalLog()
         self._blocks_stored = self._blocks_skipped = 0
         self._blocks_evicted = self._blocks_store_failed = 0
         self._load_transfers = self._load_failures = self._load_bytes = 0
@@ -357,10 +359,10 @@ class Offloader(AsyncResource):
             self._check_open("store")
         out = self._manager.prepare_store(keys, ctx)
         if out is None:
-            self._stores_refused += 1
-            failed = tuple(dict.fromkeys(keys))
-            self._blocks_store_failed += len(failed)
-            return StoreResult(failed=failed)
+            refused = tuple(dict.fromkeys(keys))
+            self._refused(len(refused))
+            return StoreResult(refused=refused)
+        self._refusals.room()
         reserved = out.keys_to_store
         evicted = tuple(out.evicted_keys)
         self._blocks_evicted += len(evicted)
@@ -488,6 +490,7 @@ class Offloader(AsyncResource):
             blocks_skipped=self._blocks_skipped,
             blocks_evicted=self._blocks_evicted,
             blocks_store_failed=self._blocks_store_failed,
+            blocks_store_refused=self._blocks_store_refused,
             load_transfers=self._load_transfers,
             load_transfer_failures=self._load_failures,
             load_bytes=self._load_bytes,
@@ -694,6 +697,20 @@ class Offloader(AsyncResource):
                 self._blocks_store_failed += len(keys)
                 self._store_failures += 1
             copy.finish(result)
+
+    def _refused(self, keys: int) -> None:
+        """Count a store the pool had no room for, and say why once per burst."""
+        self._stores_refused += 1
+        self._blocks_store_refused += keys
+        manager = self._manager.statistics()
+        pressure = PoolPressure(
+            num_blocks=manager.num_blocks,
+            writing_blocks=manager.writing_blocks,
+            pinned_blocks=manager.pinned_blocks,
+            pinned_by_tier_writes=0 if self._tiers is None else self._tiers.pinned_by_writes,
+            stores_in_flight=self._stores_in_flight,
+        )
+        self._refusals.refused(keys, pressure)
 
     def _report(self, call: str, error: Exception) -> None:
         loop = self._loop or asyncio.get_running_loop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -124,10 +125,45 @@ async def test_a_pool_that_cannot_make_room_fails_the_store(setup: tuple[Offload
     lease = off.pin_prefix(held)  # pinned: nothing can be evicted
     assert lease is not None and lease.count == 8
     result = await off.store(keys("x"), [9])
-    assert result == StoreResult(failed=tuple(keys("x"))) and not result.ok
-    assert off.statistics().stores_refused == 1
+    assert result == StoreResult(refused=tuple(keys("x"))) and not result.ok
+    assert result.failed == ()  # no copy failed: there was no room to make one
+    s = off.statistics()
+    assert (s.stores_refused, s.blocks_store_refused, s.blocks_store_failed) == (1, 1, 0)
     lease.release()
     assert (await off.store(keys("x"), [9])).stored == tuple(keys("x"))
+    assert_idle(off)
+
+
+async def test_refused_stores_are_logged_once_per_burst_with_the_reason(
+    setup: tuple[Offloader, KV], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first burst is a WARNING naming the pool's numbers and where the sizing rule
+    is; later bursts are one INFO line each; stores inside a burst log nothing."""
+    off, kv = setup
+    held = keys(*"abcdefgh")
+    kv.write(range(8), held)
+    await off.store(held, range(8))
+    caplog.set_level(logging.INFO, logger="aiokvo.offloader")
+    lease = off.pin_prefix(held)
+    assert lease is not None
+    for name in "xyz":  # one burst of three refusals
+        assert (await off.store(keys(name), [9])).refused == tuple(keys(name))
+    records = [r for r in caplog.records if r.name.startswith("aiokvo.offloader")]
+    assert len(records) == 1 and records[0].levelno == logging.WARNING
+    message = records[0].getMessage()
+    assert "refused 1 key" in message
+    assert "CPU pool of 8 blocks" in message and "8 pinned" in message
+    assert "docs/tiers.md" in message
+    lease.release()
+    stored = await off.store(keys("x"), [9])  # the burst ends
+    assert stored.stored == tuple(keys("x"))
+    lease = off.pin_prefix([k for k in held if k not in stored.evicted] + keys("x"))
+    assert lease is not None and lease.count == 8
+    assert (await off.store(keys("y"), [10])).refused == tuple(keys("y"))  # a second burst
+    records = [r for r in caplog.records if r.name.startswith("aiokvo.offloader")]
+    assert [r.levelno for r in records] == [logging.WARNING, logging.INFO]
+    assert "refused 1 key" in records[1].getMessage()
+    lease.release()
     assert_idle(off)
 
 

@@ -1,0 +1,70 @@
+"""Saying why stores are refused: once per burst, the first time as a warning with numbers.
+
+A store is refused when the CPU pool cannot make room: every block it could
+evict is held by a store being written, a load, a lease, or a tier's
+write-through in flight (which pins its blocks until the tier write ends).
+That is a sizing problem, not a failed copy, and it comes in bursts, so the
+Offloader says it once per burst, naming the pool's numbers, rather than once
+per call; the first burst is a WARNING that points at the sizing rule.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+__all__ = ["PoolPressure", "RefusalLog"]
+
+logger = logging.getLogger("aiokvo.offloader")
+
+SIZING = "docs/tiers.md, 'Sizing the CPU pool'"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPressure:
+    """Where the pool's blocks were when a store was refused."""
+
+    num_blocks: int
+    writing_blocks: int
+    pinned_blocks: int
+    pinned_by_tier_writes: int
+    stores_in_flight: int
+
+    def describe(self) -> str:
+        tier = min(self.pinned_by_tier_writes, self.pinned_blocks)
+        return (
+            f"no room in the CPU pool of {self.num_blocks} blocks: {self.writing_blocks} being "
+            f"written by {self.stores_in_flight} stores in flight, {self.pinned_blocks} pinned "
+            f"({tier} by tier write-through in flight, {self.pinned_blocks - tier} by loads "
+            f"and leases)"
+        )
+
+
+class RefusalLog:
+    """One log line per burst of refused stores (a burst ends when a store gets room)."""
+
+    __slots__ = ("_in_burst", "bursts")
+
+    def __init__(self) -> None:
+        self._in_burst = False
+        self.bursts = 0
+
+    def room(self) -> None:
+        """A store reserved its keys: the burst, if any, is over."""
+        self._in_burst = False
+
+    def refused(self, keys: int, pressure: PoolPressure) -> None:
+        if self._in_burst:
+            return
+        self._in_burst = True
+        self.bursts += 1
+        what = f"Offloader.store refused {keys} key{'s' if keys != 1 else ''}: "
+        if self.bursts == 1:
+            logger.warning(
+                "%s%s. Stores are refused until blocks free up (StoreResult.refused, "
+                "statistics().stores_refused); logged once per burst. Tier writes pin their "
+                "blocks until written: size the pool as in %s.",
+                what, pressure.describe(), SIZING,
+            )
+        else:
+            logger.info("%s%s (refusal burst %d).", what, pressure.describe(), self.bursts)
