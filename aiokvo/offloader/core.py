@@ -708,6 +708,7 @@ class Offloader(AsyncResource):
             writing_blocks=manager.writing_blocks,
             pinned_blocks=manager.pinned_blocks,
             pinned_by_tier_writes=0 if self._tiers is None else self._tiers.pinned_by_writes,
+            write_limit=0 if self._tiers is None else self._tiers.write_limit,
             stores_in_flight=self._stores_in_flight,
         )
         self._refusals.refused(keys, pressure)

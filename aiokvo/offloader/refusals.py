@@ -28,15 +28,31 @@ class PoolPressure:
     writing_blocks: int
     pinned_blocks: int
     pinned_by_tier_writes: int
+    write_limit: int
+    """CPU blocks tier write-through may pin at once (0 without tiers)."""
     stores_in_flight: int
 
     def describe(self) -> str:
+        text = (
+            f"no room in the CPU pool of {self.num_blocks} blocks: {self.writing_blocks} being "
+            f"written by {self.stores_in_flight} stores in flight, {self.pinned_blocks} pinned"
+        )
+        if not self.write_limit:
+            return f"{text} by loads and leases"
         tier = min(self.pinned_by_tier_writes, self.pinned_blocks)
         return (
-            f"no room in the CPU pool of {self.num_blocks} blocks: {self.writing_blocks} being "
-            f"written by {self.stores_in_flight} stores in flight, {self.pinned_blocks} pinned "
-            f"({tier} by tier write-through in flight, {self.pinned_blocks - tier} by loads "
-            f"and leases)"
+            f"{text} ({tier} by tier write-through in flight, which may pin up to "
+            f"{self.write_limit}; {self.pinned_blocks - tier} by loads and leases)"
+        )
+
+    def rule(self) -> str:
+        """The sizing rule with this pool's write-through limit in it."""
+        need = "requests in flight x blocks per request"
+        if not self.write_limit:
+            return f"the pool needs {need} blocks"
+        return (
+            f"tier writes pin their blocks until written, so the pool needs ({need}) + "
+            f"{self.write_limit} blocks (max_write_blocks)"
         )
 
 
@@ -62,9 +78,8 @@ class RefusalLog:
         if self.bursts == 1:
             logger.warning(
                 "%s%s. Stores are refused until blocks free up (StoreResult.refused, "
-                "statistics().stores_refused); logged once per burst. Tier writes pin their "
-                "blocks until written: size the pool as in %s.",
-                what, pressure.describe(), SIZING,
+                "statistics().stores_refused); logged once per burst. Sizing: %s (%s).",
+                what, pressure.describe(), pressure.rule(), SIZING,
             )
         else:
             logger.info("%s%s (refusal burst %d).", what, pressure.describe(), self.bursts)
