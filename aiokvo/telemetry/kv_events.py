@@ -130,21 +130,31 @@ class KVEventPublisherStatistics:
     """Keys with caller metadata waiting for their store event."""
     described_dropped: int
     """Described keys forgotten unused (the metadata table is bounded)."""
+    pub_mode: Literal["bind", "connect"]
+    """How the PUB socket reached its endpoint: ``"bind"`` (subscribers connect to it)
+    or ``"connect"`` (it connects to a bound subscriber or XSUB proxy)."""
+    pub_endpoint: str
+    """The PUB endpoint (after binding, the address actually bound)."""
 
 
 class KVEventPublisher(AsyncResource):
-    """Publishes ``source``'s events on ``endpoint`` as vLLM's ZmqEventPublisher does.
+    """Publishes KV events; BINDS ``tcp://*:PORT`` (or port 0, ipc, inproc), CONNECTS otherwise.
 
     ``async with KVEventPublisher(manager, "tcp://*:5557") as publisher:``
     binds (or connects), subscribes to ``source`` and publishes until the
     block ends; leaving it publishes what is still queued, then closes both
     sockets. ``source`` is anything with ``subscribe(maxsize=, overflow=)``
-    returning an event subscription: a manager now, an Offloader later.
+    returning an event subscription: a manager or an Offloader.
 
-    Endpoints follow vLLM's rule: a wildcard host (``*``, ``::``), ``ipc://``
-    and ``inproc://`` bind, and so does TCP port 0 (an ephemeral port, read it
-    back from :attr:`endpoint`); any other address connects (to an XSUB
-    proxy, say). ``bind`` overrides the rule. The replay socket always binds.
+    Endpoints follow vLLM's ZmqEventPublisher rule: a wildcard host (``*``,
+    ``::``), ``ipc://`` and ``inproc://`` bind, and so does TCP port 0 (an
+    ephemeral port, read it back from :attr:`endpoint`); **any other address
+    connects** (to an XSUB proxy, say), so ``"tcp://127.0.0.1:5557"``
+    publishes to whoever *binds* there and to nobody if no one does. ``bind``
+    overrides the rule. Which way it went is logged once at INFO when it
+    starts and shown as ``statistics().pub_mode`` (``"bind"`` or
+    ``"connect"``) and ``statistics().pub_endpoint``. The replay socket always
+    binds.
 
     Options: ``encoding="array"`` for consumers pinned to vLLM <= 0.23;
     ``hash_format="bytes"`` for raw block hashes; ``media`` to rename media
@@ -272,6 +282,16 @@ class KVEventPublisher(AsyncResource):
         self._pub, self._router = pub, router
         self._send = zmq.Socket.shadow(pub.underlying).send
         self._state = "running"
+        if self._bind:
+            logger.info("KV events: PUB bound to %s; subscribers connect there%s",
+                        self._endpoint, self._replay_note())
+        else:
+            logger.info(
+                "KV events: PUB connecting to %s (a non-wildcard address connects, vLLM's "
+                "rule): only a subscriber or XSUB proxy bound there receives events; give "
+                "'tcp://*:PORT' or bind=True to bind instead%s",
+                self._endpoint, self._replay_note(),
+            )
         self._tasks.append(asyncio.create_task(self._pump(), name="aiokvo-kv-events-pub"))
         if router is not None:
             self._tasks.append(
@@ -355,10 +375,17 @@ class KVEventPublisher(AsyncResource):
             buffer_bytes=self._buffer_bytes,
             described_keys=self._translator.described,
             described_dropped=self._translator.described_dropped,
+            pub_mode="bind" if self._bind else "connect",
+            pub_endpoint=self._endpoint,
         )
 
     def __repr__(self) -> str:
-        return f"<KVEventPublisher {self._state} {self._endpoint!r} seq={self._seq}>"
+        mode = "bound to" if self._bind else "connecting to"
+        return f"<KVEventPublisher {self._state} {mode} {self._endpoint!r} seq={self._seq}>"
+
+    def _replay_note(self) -> str:
+        replay = self._replay_endpoint
+        return "" if replay is None else f"; replay ROUTER bound to {replay}"
 
     # -- the tasks -------------------------------------------------------------------
 
