@@ -9,8 +9,10 @@ tiers) exactly as they index vLLM's GPU blocks:
   ``payload`` is a msgpack ``[ts, events, data_parallel_rank]`` batch
   (:mod:`aiokvo.telemetry.kv_wire` has the event structs and the mapping);
 * an optional ROUTER socket serves replays: a client sends a start sequence
-  number (8 bytes, big-endian), gets every buffered batch from there as
-  ``[topic, seq, payload]``, then the end marker ``[b"", seq -1, b""]``.
+  number (8 bytes, big-endian), gets the buffered batches from there, then
+  the end marker (:mod:`aiokvo.telemetry.kv_replay` serves them within
+  bounds any network peer can be allowed, and lists the exact frames each
+  client socket type receives).
 
 Nothing here runs on the manager's path. The manager pushes into a bounded
 :class:`~aiokvo.events.EventSubscription` (it never waits); a task on the
@@ -54,6 +56,7 @@ from aiokvo.events import Lagged
 from aiokvo.keys import OffloadKey
 from aiokvo.manager.sink import OverflowPolicy
 from aiokvo.specs import BlockMetadata, ReqContext
+from aiokvo.telemetry.kv_replay import END_SEQ, ReplayLimits, ReplayServer
 from aiokvo.telemetry.kv_wire import (
     Encoding,
     EventBatch,
@@ -68,16 +71,13 @@ __all__ = [
     "KVEventPublisher",
     "KVEventPublisherStatistics",
     "LagPolicy",
+    "ReplayLimits",
 ]
 
 logger = logging.getLogger(__name__)
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-"""The replay end marker's sequence frame (vLLM's ``END_SEQ``: ``ff`` x 8)."""
-
 LagPolicy = Literal["count", "clear"]
 _LAG_POLICIES: tuple[LagPolicy, ...] = ("count", "clear")
-_REPLAY_YIELD_EVERY = 128  # replies sent between yields to the loop during a replay
 _MORE = int(zmq.SNDMORE | zmq.DONTWAIT)  # plain ints: enum arithmetic per frame costs
 _LAST = int(zmq.DONTWAIT)
 
@@ -116,12 +116,26 @@ class KVEventPublisherStatistics:
     """Batches that failed to encode or send (logged; their sequence number is skipped)."""
     queued: int
     """Source events waiting in the subscription."""
+    replay_requests: int
+    """Well-formed replay requests received (a peer's new request replaces its old one)."""
     replays_served: int
     """Replay requests answered (each ends with the end marker)."""
     replay_batches_sent: int
     """Batches re-sent to replay clients."""
+    replay_bytes_sent: int
+    """Payload bytes of those batches."""
     invalid_replay_requests: int
     """Replay requests that were not ``[b"", start_seq]`` (ignored, as vLLM does)."""
+    replays_refused: int
+    """Replay requests not served: ``max_replays`` in progress and ``max_pending`` waiting."""
+    replays_cut: int
+    """Replays dropped because their peer stopped reading (``stall_timeout``) or went away."""
+    replays_truncated: int
+    """Replays that ended early at ``max_replay_bytes`` (the client asks again from there)."""
+    replays_in_progress: int
+    """Replays being sent now (``pending`` more waiting)."""
+    replays_pending: int
+    """Replay requests waiting for one in progress to end."""
     buffer_batches: int
     """Batches kept for replay now."""
     buffer_bytes: int
@@ -165,8 +179,10 @@ class KVEventPublisher(AsyncResource):
     metadata table (:meth:`describe`); ``batch_interval`` (seconds, default 0:
     one batch per loop wake-up, as vLLM sends one per engine step) gathers
     events that long into one batch, for schedulers that step far more often
-    than a router needs. ``context`` is a ``zmq.asyncio`` context to use
-    (default: one of its own, terminated on close).
+    than a router needs. ``replay_limits`` bounds what replay peers can make
+    the publisher do (:class:`~aiokvo.telemetry.kv_replay.ReplayLimits`).
+    ``context`` is a ``zmq.asyncio`` context to use (default: one of its
+    own, terminated on close).
     """
 
     def __init__(
@@ -188,6 +204,7 @@ class KVEventPublisher(AsyncResource):
         max_described: int = 65_536,
         batch_interval: float = 0.0,
         bind: bool | None = None,
+        replay_limits: ReplayLimits | None = None,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         if not hasattr(source, "subscribe"):
@@ -215,6 +232,10 @@ class KVEventPublisher(AsyncResource):
         if bind is not None and not isinstance(bind, bool):
             raise ConfigError(f"bind must be a bool or None, got {bind!r}")
         self._bind = _is_bind_endpoint(self._endpoint) if bind is None else bind
+        if replay_limits is not None and not isinstance(replay_limits, ReplayLimits):
+            raise ConfigError(f"replay_limits must be a ReplayLimits, got {replay_limits!r}")
+        self._replay_limits = ReplayLimits() if replay_limits is None else replay_limits
+        self._replayer: ReplayServer | None = None
         self._source = source
         self._topic = topic.encode("utf-8")
         self._rank = data_parallel_rank
@@ -236,9 +257,6 @@ class KVEventPublisher(AsyncResource):
         self._events_dropped = 0
         self._lag_clears = 0
         self._send_errors = 0
-        self._replays = 0
-        self._replay_batches = 0
-        self._invalid_replays = 0
 
     # -- lifetime --------------------------------------------------------------------
 
@@ -268,7 +286,7 @@ class KVEventPublisher(AsyncResource):
             if self._replay_endpoint is not None:
                 router = ctx.socket(zmq.ROUTER)
                 router.setsockopt(zmq.LINGER, 0)
-                router.set_hwm(self._hwm)
+                ReplayServer.configure(router, self._replay_limits)
                 self._replay_endpoint = _bind(router, self._replay_endpoint)
             self._sub = self._source.subscribe(maxsize=self._max_queue, overflow="drop_oldest")
         except BaseException:
@@ -294,8 +312,11 @@ class KVEventPublisher(AsyncResource):
             )
         self._tasks.append(asyncio.create_task(self._pump(), name="aiokvo-kv-events-pub"))
         if router is not None:
+            self._replayer = ReplayServer(
+                router, self._buffer, self._topic, lambda: self._seq, self._replay_limits
+            )
             self._tasks.append(
-                asyncio.create_task(self._serve_replays(), name="aiokvo-kv-events-replay")
+                asyncio.create_task(self._replayer.run(), name="aiokvo-kv-events-replay")
             )
 
     async def aclose(self) -> None:
@@ -361,6 +382,7 @@ class KVEventPublisher(AsyncResource):
         return self._replay_endpoint
 
     def statistics(self) -> KVEventPublisherStatistics:
+        replayer = self._replayer
         return KVEventPublisherStatistics(
             batches_sent=self._seq - self._send_errors,
             events_sent=self._events_sent,
@@ -368,9 +390,16 @@ class KVEventPublisher(AsyncResource):
             lag_clears=self._lag_clears,
             send_errors=self._send_errors,
             queued=self._sub.qsize() if self._sub is not None else 0,
-            replays_served=self._replays,
-            replay_batches_sent=self._replay_batches,
-            invalid_replay_requests=self._invalid_replays,
+            replay_requests=0 if replayer is None else replayer.requests,
+            replays_served=0 if replayer is None else replayer.served,
+            replay_batches_sent=0 if replayer is None else replayer.batches_sent,
+            replay_bytes_sent=0 if replayer is None else replayer.bytes_sent,
+            invalid_replay_requests=0 if replayer is None else replayer.invalid,
+            replays_refused=0 if replayer is None else replayer.refused,
+            replays_cut=0 if replayer is None else replayer.cut,
+            replays_truncated=0 if replayer is None else replayer.truncated,
+            replays_in_progress=0 if replayer is None else replayer.in_progress,
+            replays_pending=0 if replayer is None else replayer.pending,
             buffer_batches=len(self._buffer),
             buffer_bytes=self._buffer_bytes,
             described_keys=self._translator.described,
@@ -462,29 +491,6 @@ class KVEventPublisher(AsyncResource):
             self._buffer_bytes > self._max_buffer_bytes and buffer
         ):
             self._buffer_bytes -= len(buffer.popleft()[1])
-
-    async def _serve_replays(self) -> None:
-        router = self._router
-        assert router is not None
-        while True:
-            frames = await router.recv_multipart()
-            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-                self._invalid_replays += 1
-                logger.warning("invalid KV event replay request: %d frames", len(frames))
-                continue
-            identity, _, start_bytes = frames
-            start = int.from_bytes(start_bytes, "big")
-            # A snapshot: the buffer moves on while the replay yields.
-            entries = [entry for entry in self._buffer if entry[0] >= start]
-            topic = self._topic
-            for n, (seq, payload) in enumerate(entries, 1):
-                await router.send_multipart((identity, b"", topic, seq.to_bytes(8, "big"),
-                                             payload))
-                self._replay_batches += 1
-                if n % _REPLAY_YIELD_EVERY == 0:
-                    await asyncio.sleep(0)  # live publishing goes on during a long replay
-            await router.send_multipart((identity, b"", b"", END_SEQ, b""))
-            self._replays += 1
 
 
 # -- endpoints ---------------------------------------------------------------------
