@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -63,9 +64,11 @@ from aiokvo.telemetry.kv_wire import (
     EventTranslator,
     HashFormat,
     WireMedium,
+    array_header,
 )
 
 __all__ = [
+    "DEFAULT_BATCH_INTERVAL",
     "END_SEQ",
     "EventSource",
     "KVEventPublisher",
@@ -78,6 +81,10 @@ logger = logging.getLogger(__name__)
 
 LagPolicy = Literal["count", "clear"]
 _LAG_POLICIES: tuple[LagPolicy, ...] = ("count", "clear")
+DEFAULT_BATCH_INTERVAL = 0.002
+"""Seconds of events one batch gathers by default (benchmarks/RESULTS.md, "KV events")."""
+
+_FLOAT64 = struct.Struct(">d")
 _MORE = int(zmq.SNDMORE | zmq.DONTWAIT)  # plain ints: enum arithmetic per frame costs
 _LAST = int(zmq.DONTWAIT)
 
@@ -176,10 +183,12 @@ class KVEventPublisher(AsyncResource):
     ``max_buffer_bytes`` bound the replay buffer; ``hwm`` is each socket's
     high-water mark; ``max_queue`` bounds the subscription; ``on_lag``
     decides what an overflow of it publishes; ``max_described`` bounds the
-    metadata table (:meth:`describe`); ``batch_interval`` (seconds, default 0:
-    one batch per loop wake-up, as vLLM sends one per engine step) gathers
-    events that long into one batch, for schedulers that step far more often
-    than a router needs. ``replay_limits`` bounds what replay peers can make
+    metadata table (:meth:`describe`); ``batch_interval`` (seconds, default
+    0.002) gathers the events of that long into one batch: an engine whose
+    steps take longer (a real one: milliseconds) still gets one batch per step,
+    as vLLM sends, at most 2 ms later; a scheduler that steps far more often
+    pays the per-batch work once per interval. 0 sends one batch per loop
+    wake-up. ``replay_limits`` bounds what replay peers can make
     the publisher do (:class:`~aiokvo.telemetry.kv_replay.ReplayLimits`).
     ``context`` is a ``zmq.asyncio`` context to use (default: one of its
     own, terminated on close).
@@ -202,7 +211,7 @@ class KVEventPublisher(AsyncResource):
         max_queue: int = 16_384,
         on_lag: LagPolicy = "count",
         max_described: int = 65_536,
-        batch_interval: float = 0.0,
+        batch_interval: float = DEFAULT_BATCH_INTERVAL,
         bind: bool | None = None,
         replay_limits: ReplayLimits | None = None,
         context: zmq.asyncio.Context | None = None,
@@ -241,7 +250,7 @@ class KVEventPublisher(AsyncResource):
         self._rank = data_parallel_rank
         self._context = context
         self._own_context = context is None
-        self._encoder = msgspec.msgpack.Encoder()
+        self._batch_frame = _batch_frame(self._rank)
 
         self._sub: _Subscription | None = None
         self._pub: zmq.asyncio.Socket | None = None
@@ -344,6 +353,8 @@ class KVEventPublisher(AsyncResource):
         """Wait until every event the source has made so far is sent."""
         while self._state == "running":
             await self._idle.wait()
+            if not self._idle.is_set():
+                continue  # woken, but the pump took events meanwhile and holds them
             assert self._sub is not None
             if not self._sub.qsize():
                 return
@@ -433,23 +444,28 @@ class KVEventPublisher(AsyncResource):
             items = sub.drain_nowait()
             items.insert(0, first)
             try:
-                await self._publish(items)
+                self._publish(items)
             except Exception:  # keep publishing; a router resyncs from the seq gap
                 self._send_errors += 1
                 self._seq += 1
                 logger.exception("KV event batch %d could not be published", self._seq - 1)
 
-    async def _publish(self, items: list[Any]) -> None:
-        events: list[Any] = []
-        translate = self._translator.translate
+    def _publish(self, items: list[Any]) -> None:
+        batch: list[Any] = []  # source events, and AllBlocksCleared where events were lost
         for item in items:
             if isinstance(item, Lagged):
-                self._lost(item.missed, events)
+                self._lost(item.missed, batch)
             else:
-                translate(item, events)
-        if not events:
+                batch.append(item)
+        parts: list[bytes] = [b""]  # the batch's head goes first, once the count is known
+        count = self._translator.encode(batch, parts)
+        if not count:
             return
-        payload = self._encoder.encode(EventBatch(time.time(), events, self._rank))
+        # EventBatch [ts, events, rank] around the encoded events: what msgspec writes.
+        head, tail = self._batch_frame
+        parts[0] = head + _FLOAT64.pack(time.time()) + array_header(count)
+        parts.append(tail)
+        payload = b"".join(parts)
         seq = self._seq
         send = self._send
         assert send is not None
@@ -466,7 +482,7 @@ class KVEventPublisher(AsyncResource):
         send(seq.to_bytes(8, "big"), _MORE)
         send(payload, _LAST)
         self._seq = seq + 1
-        self._events_sent += len(events)
+        self._events_sent += count
         self._remember(seq, payload)
 
     def _lost(self, missed: int, events: list[Any]) -> None:
@@ -491,6 +507,15 @@ class KVEventPublisher(AsyncResource):
             self._buffer_bytes > self._max_buffer_bytes and buffer
         ):
             self._buffer_bytes -= len(buffer.popleft()[1])
+
+
+def _batch_frame(rank: int | None) -> tuple[bytes, bytes]:
+    """msgspec's encoding of ``EventBatch(ts, events, rank)`` around ``ts`` and ``events``:
+    the array header and the float marker before ``ts``, and what follows the events."""
+    empty = msgspec.msgpack.encode(EventBatch(0.0, [], rank))
+    # [0x93|0x92] [0xcb + 8 bytes of ts] [0x90: no events] [rank]
+    assert empty[1] == 0xCB and empty[10] == 0x90, empty
+    return empty[:2], empty[11:]
 
 
 # -- endpoints ---------------------------------------------------------------------

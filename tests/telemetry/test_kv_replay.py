@@ -177,6 +177,7 @@ async def test_peers_that_never_read_neither_starve_the_loop_nor_queue_without_b
             last = stats.replay_batches_sent
             if ticks % 50 == 0:
                 await fill(publisher, manager, 1)  # the engine goes on storing
+                last = publisher.statistics().replay_batches_sent  # (fill awaited a while)
             if stats.replay_requests == 40 and not stats.replays_in_progress \
                     and not stats.replays_pending:
                 break
