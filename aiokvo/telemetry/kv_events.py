@@ -15,14 +15,14 @@ tiers) exactly as they index vLLM's GPU blocks:
   client socket type receives).
 
 Nothing here runs on the manager's path. The manager pushes into a bounded
-:class:`~aiokvo.events.EventSubscription` (it never waits); a task on the
-loop drains it once per wake-up, so everything one scheduler step did goes
-out as one batch, as vLLM publishes one batch per engine step. Both sockets
-are ``zmq.asyncio`` sockets that never block: PUB drops messages for a
-subscriber past its high-water mark (the subscriber sees a gap in ``seq``
-and can replay), ROUTER drops replies to a client that does not read. Memory
-is bounded by the subscription, the replay buffer (batches and bytes) and
-the high-water marks. Events lost before they got a sequence number (the
+:class:`~aiokvo.events.EventSubscription` (it never waits); when events come,
+a task on the loop waits ``batch_interval`` (2 ms) and sends what came as one
+batch, so an engine whose steps take longer gets one batch per step, as vLLM
+publishes. Both sockets are ``zmq.asyncio`` sockets that never block: PUB
+drops messages for a subscriber past its high-water mark (the subscriber sees
+a gap in ``seq`` and can replay), and the replay ROUTER pauses, then drops,
+a client that does not read. Memory is bounded by the subscription, the
+replay buffer (batches and bytes) and the high-water marks. Events lost before they got a sequence number (the
 subscription lagged) are counted in :meth:`KVEventPublisher.statistics`;
 with ``on_lag="clear"`` an ``AllBlocksCleared`` marks the gap (see
 ``docs/telemetry.md`` for why that is not the default).
