@@ -22,10 +22,11 @@ publishes. Both sockets are ``zmq.asyncio`` sockets that never block: PUB
 drops messages for a subscriber past its high-water mark (the subscriber sees
 a gap in ``seq`` and can replay), and the replay ROUTER pauses, then drops,
 a client that does not read. Memory is bounded by the subscription, the
-replay buffer (batches and bytes) and the high-water marks. Events lost before they got a sequence number (the
-subscription lagged) are counted in :meth:`KVEventPublisher.statistics`;
-with ``on_lag="clear"`` an ``AllBlocksCleared`` marks the gap (see
-``docs/telemetry.md`` for why that is not the default).
+replay buffer (batches and bytes) and the high-water marks. Events lost
+before they got a sequence number (the subscription lagged) are counted in
+:meth:`KVEventPublisher.statistics`; with ``on_lag="clear"`` an
+``AllBlocksCleared`` marks the gap (see ``docs/telemetry.md`` for why that
+is not the default).
 
 Needs the ``kv-events`` extra (``pip install 'aiokvo[kv-events]'``: pyzmq
 and msgspec).
