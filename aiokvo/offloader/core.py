@@ -702,8 +702,11 @@ class Offloader(AsyncResource):
         """Count a store the pool had no room for, and say why once per burst."""
         self._stores_refused += 1
         self._blocks_store_refused += keys
+        self._refusals.refused(keys, self._pool_pressure)
+
+    def _pool_pressure(self) -> PoolPressure:
         manager = self._manager.statistics()
-        pressure = PoolPressure(
+        return PoolPressure(
             num_blocks=manager.num_blocks,
             writing_blocks=manager.writing_blocks,
             pinned_blocks=manager.pinned_blocks,
@@ -711,7 +714,6 @@ class Offloader(AsyncResource):
             write_limit=0 if self._tiers is None else self._tiers.write_limit,
             stores_in_flight=self._stores_in_flight,
         )
-        self._refusals.refused(keys, pressure)
 
     def _report(self, call: str, error: Exception) -> None:
         loop = self._loop or asyncio.get_running_loop()

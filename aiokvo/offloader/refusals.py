@@ -11,6 +11,7 @@ per call; the first burst is a WARNING that points at the sizing rule.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["PoolPressure", "RefusalLog"]
@@ -69,11 +70,13 @@ class RefusalLog:
         """A store reserved its keys: the burst, if any, is over."""
         self._in_burst = False
 
-    def refused(self, keys: int, pressure: PoolPressure) -> None:
+    def refused(self, keys: int, pressure_now: Callable[[], PoolPressure]) -> None:
+        """A store of ``keys`` keys was refused; ``pressure_now`` is asked only to log."""
         if self._in_burst:
             return
         self._in_burst = True
         self.bursts += 1
+        pressure = pressure_now()
         what = f"Offloader.store refused {keys} key{'s' if keys != 1 else ''}: "
         if self.bursts == 1:
             logger.warning(
