@@ -21,6 +21,7 @@ from typing import Any, Self, TypeVar
 from aiokvo.errors import AiokvoError, ConfigError
 
 __all__ = [
+    "EXTRA_OF",
     "AsyncResource",
     "check_choice",
     "check_int",
@@ -138,7 +139,18 @@ def lazy_export(namespace: MutableMapping[str, Any], where: Mapping[str, str], n
     module = where.get(name)
     if module is None:
         raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        imported = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        extra = EXTRA_OF.get((exc.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        raise ModuleNotFoundError(
+            f"{namespace['__name__']}.{name} needs {exc.name}, which is not installed: "
+            f"pip install 'aiokvo[{extra}]'",
+            name=exc.name,
+        ) from exc
+    value = getattr(imported, name)
     namespace[name] = value
     return value
 
@@ -175,3 +187,16 @@ def field_docs(cls: type) -> dict[str, str]:
     _FIELD_DOCS[cls] = docs
     return docs
 
+EXTRA_OF: Mapping[str, str] = {
+    "xxhash": "disk",
+    "mooncake": "mooncake",
+    "zmq": "kv-events",
+    "msgspec": "kv-events",
+    "prometheus_client": "prometheus",
+    "rich": "watch",
+    "pytest": "testing",
+    "pytest_asyncio": "testing",
+    "vllm": "vllm",
+}
+"""The extra (pyproject.toml) that installs each optional top-level module: a lazily
+exported name whose module is missing says what to install."""

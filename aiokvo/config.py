@@ -9,6 +9,8 @@ fails here, with its field named, instead of deep inside a copy.
 
 from __future__ import annotations
 
+import functools
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -40,6 +42,22 @@ EXTRA_CONFIG_KEYS: frozenset[str] = frozenset(
     }
 )
 """The ``kv_connector_extra_config`` keys :meth:`OffloadConfig.from_dict` reads."""
+
+
+MAX_TOKENS_PER_BLOCK = 1 << 24
+"""Tokens per GPU, hash or offloaded block: far past any engine's, so that a typo (a
+byte count where tokens were meant) is refused here rather than deep inside a plan."""
+MAX_KV_BYTES_PER_BLOCK = 1 << 40
+MAX_WORLD_SIZE = 1 << 16
+MAX_COUNT = (1 << 31) - 1
+"""The largest ``store_threshold``, ``max_tracker_size`` and number of pool blocks:
+block ids travel as int32 in vLLM's specs."""
+
+
+@functools.cache
+def machine_memory() -> int:
+    """This machine's physical memory in bytes (the CPU pool is allocated, and pinned, in it)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class UnknownConfigKeyWarning(UserWarning):
@@ -105,12 +123,15 @@ class OffloadConfig:
                 f"gpu_block_sizes must be a non-empty sequence of ints, got {sizes!r}"
             )
         try:
-            checked = tuple(check_int("gpu_block_sizes", size, minimum=1) for size in sizes)
+            checked = tuple(
+                check_int("gpu_block_sizes", size, minimum=1, maximum=MAX_TOKENS_PER_BLOCK)
+                for size in sizes
+            )
         except ConfigError as exc:
             raise ConfigError(f"{exc} in {sizes!r}") from None
         object.__setattr__(self, "gpu_block_sizes", checked)
 
-        self._int_field("hash_block_size", minimum=1)
+        self._int_field("hash_block_size", minimum=1, maximum=MAX_TOKENS_PER_BLOCK)
         for size in self.gpu_block_sizes:
             if size % self.hash_block_size:
                 raise ConfigError(
@@ -118,17 +139,28 @@ class OffloadConfig:
                     f"hash_block_size={self.hash_block_size}"
                 )
         self._int_field("cpu_bytes_to_use", minimum=1)
-        self._int_field("kv_bytes_per_block", minimum=0)
+        if self.cpu_bytes_to_use > machine_memory():
+            raise ConfigError(
+                f"cpu_bytes_to_use={self.cpu_bytes_to_use} is more than this machine's memory "
+                f"({machine_memory()} bytes)"
+            )
+        self._int_field("kv_bytes_per_block", minimum=0, maximum=MAX_KV_BYTES_PER_BLOCK)
         if self.offloaded_block_size is not None:
             self._check_offloaded_block_size(self.offloaded_block_size)
         check_text("eviction_policy", self.eviction_policy)
-        self._int_field("store_threshold", minimum=0)
-        self._int_field("max_tracker_size", minimum=1)
+        self._int_field("store_threshold", minimum=0, maximum=MAX_COUNT)
+        self._int_field("max_tracker_size", minimum=1, maximum=MAX_COUNT)
         check_choice("recency", self.recency, RECENCY_MODES)
         check_choice("store_counting", self.store_counting, COUNTING_MODES)
         if not isinstance(self.enable_events, bool):
             raise ConfigError(f"enable_events must be a bool, got {self.enable_events!r}")
-        self._int_field("world_size", minimum=1)
+        self._int_field("world_size", minimum=1, maximum=MAX_WORLD_SIZE)
+        if self.num_cpu_blocks > MAX_COUNT:
+            raise ConfigError(
+                f"num_cpu_blocks={self.num_cpu_blocks} (cpu_bytes_to_use={self.cpu_bytes_to_use} "
+                f"// {self.kv_bytes_per_offloaded_block} bytes per offloaded block) is more "
+                f"than {MAX_COUNT} blocks"
+            )
         object.__setattr__(
             self, "rank", check_int("rank", self.rank, minimum=0, maximum=self.world_size - 1)
         )
@@ -147,12 +179,13 @@ class OffloadConfig:
                 )
         object.__setattr__(self, "tiers", tuple(tiers))
 
-    def _int_field(self, name: str, *, minimum: int) -> None:
+    def _int_field(self, name: str, *, minimum: int, maximum: int | None = None) -> None:
         """Check an int field and store it as a plain int (a numpy int becomes one)."""
-        object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=minimum))
+        value = check_int(name, getattr(self, name), minimum=minimum, maximum=maximum)
+        object.__setattr__(self, name, value)
 
     def _check_offloaded_block_size(self, value: int) -> None:
-        self._int_field("offloaded_block_size", minimum=1)
+        self._int_field("offloaded_block_size", minimum=1, maximum=MAX_TOKENS_PER_BLOCK)
         distinct = sorted(set(self.gpu_block_sizes))
         if len(distinct) != 1:
             raise ConfigError(
@@ -209,6 +242,10 @@ class OffloadConfig:
         reported with :class:`UnknownConfigKeyWarning`; with ``strict=True``
         they raise :class:`~aiokvo.errors.ConfigError` instead.
         """
+        if not isinstance(extra, Mapping):
+            raise ConfigError(
+                f"kv_connector_extra_config must be a mapping of keys to values, got {extra!r}"
+            )
         unknown = sorted(str(k) for k in extra if k not in EXTRA_CONFIG_KEYS)
         if unknown:
             message = f"unknown kv_connector_extra_config keys {unknown}; known keys are " + (

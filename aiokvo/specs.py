@@ -126,6 +126,9 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
     __slots__ = ("block_ids",)
 
     def __init__(self, block_ids: BlockIds) -> None:
+        if isinstance(block_ids, list | tuple) and bool in map(type, block_ids):
+            # numpy reads True as 1: a bool here is a caller's bug, never a block id.
+            raise InvalidSpecError(f"block_ids must be ints, got a bool in {block_ids!r}")
         ids = np.asarray(block_ids)
         if ids.size == 0:
             ids = np.empty(0, dtype=np.int64)

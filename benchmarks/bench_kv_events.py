@@ -284,7 +284,8 @@ def events_section(args: argparse.Namespace) -> None:
 # -- section 2: manager cost -----------------------------------------------------------
 
 
-async def manager_section(args: argparse.Namespace, per_step: int) -> None:
+async def manager_section(args: argparse.Namespace, per_step: int) -> dict[str, float]:
+    """The publisher's cost to the loop; returns each side's median paired cost (ratio - 1)."""
     capacity, chunk = args.capacity, args.chunk
     chunk -= chunk % per_step
     trace = Trace.generate(capacity, args.warm_requests + args.paired_requests, args.seed + 1)
@@ -303,17 +304,20 @@ async def manager_section(args: argparse.Namespace, per_step: int) -> None:
         warm_up(manager, sequences, requests[:warm], warm, 1.0)  # the same requests
     plain = ReqContext()
     subscription = managers[1].subscribe(maxsize=1 << 16)
-    interval = args.batch_interval
-    async with KVEventPublisher(managers[2], "tcp://127.0.0.1:0",
-                                batch_interval=interval) as pub_on, \
-            KVEventPublisher(managers[3], "tcp://127.0.0.1:0",
-                             batch_interval=interval) as pub_desc:
+    options: dict[str, Any] = {}
+    if args.batch_interval is not None:
+        options["batch_interval"] = args.batch_interval
+    async with KVEventPublisher(managers[2], "tcp://127.0.0.1:0", **options) as pub_on, \
+            KVEventPublisher(managers[3], "tcp://127.0.0.1:0", **options) as pub_desc:
+        interval = pub_on._interval
         consumers = [Consumer(p.endpoint, -1, idle=3.0) for p in (pub_on, pub_desc)]
         await asyncio.sleep(args.settle)
         publishers: list[KVEventPublisher | None] = [None, None, pub_on, pub_desc]
         sched: list[list[float]] = [[] for _ in names]
         loop_us: list[list[float]] = [[] for _ in names]
-        clock = time.perf_counter
+        # The loop thread's CPU time: what the scheduler's thread spends, whatever else
+        # the (shared) box runs; ZMQ's I/O thread and the consumer are other threads.
+        clock = time.thread_time if args.clock == "cpu" else time.perf_counter
         gc.collect()
         for n, start in enumerate(range(warm, warm + args.paired_requests - chunk + 1, chunk)):
             window = requests[start : start + chunk]
@@ -332,17 +336,16 @@ async def manager_section(args: argparse.Namespace, per_step: int) -> None:
                         for seq_idx in window[s : s + per_step]:
                             run_request(manager, sequences[seq_idx], plain)
                     t1 = clock()
-                    if publisher is not None and not interval:
-                        await publisher.flush()
-                    else:
-                        if side == 1:
-                            subscription.drain_nowait()
-                        await asyncio.sleep(0)
+                    if side == 1:
+                        subscription.drain_nowait()
+                    # The scheduler awaits between steps (a real one awaits its model
+                    # runner): whatever the loop runs meanwhile is counted as loop time.
+                    await asyncio.sleep(0)
                     spent += t1 - t0
                     pumped += clock() - t1
-                if publisher is not None and interval:
+                if publisher is not None:
                     t1 = clock()
-                    await publisher.flush()
+                    await publisher.flush()  # what the chunk left queued, counted too
                     pumped += clock() - t1
                 sched[side].append(spent / chunk * 1e6)
                 loop_us[side].append(pumped / chunk * 1e6)
@@ -350,29 +353,82 @@ async def manager_section(args: argparse.Namespace, per_step: int) -> None:
     subscription.close()
     results = [c.result() for c in consumers]
     print()
-    print(f"Manager cost at capacity {capacity:,} ({args.policy}), steps of {per_step} "
-          f"requests, batch_interval {interval * 1e3:g} ms: {warm:,} warm-up requests "
-          f"each, then {len(sched[0])} rounds of "
+    print(f"Cost to the loop at capacity {capacity:,} ({args.policy}), steps of {per_step} "
+          f"requests, batch_interval {interval * 1e3:g} ms, {args.clock} time of the loop's "
+          f"thread: {warm:,} warm-up requests each, then {len(sched[0])} rounds of "
           f"{chunk:,} requests per manager, the order rotating:")
-    print("| events go to | scheduler µs/req (median) | Δ vs off, µs/req (mean ± s.e.) | "
-          "added | loop time between steps, µs/req |")
-    print("|---|---:|---:|---:|---:|")
-    base = statistics.median(sched[0])
+    print("| events go to | scheduler µs/req | loop between steps µs/req | total µs/req | "
+          "cost vs off (median of paired rounds) | rounds range |")
+    print("|---|---:|---:|---:|---:|---:|")
+    totals = [[a + b for a, b in zip(sched[i], loop_us[i], strict=True)]
+              for i in range(len(names))]
+    costs: dict[str, float] = {}
     for side, name in enumerate(names):
-        med = statistics.median(sched[side])
+        med_total = statistics.median(totals[side])
         if side == 0:
-            delta = added = "-"
+            cost = spread = "-"
         else:
-            diffs = [b - a for a, b in zip(sched[0], sched[side], strict=True)]
-            err = statistics.stdev(diffs) / len(diffs) ** 0.5
-            delta = f"{statistics.mean(diffs):+.3f} ± {err:.3f}"
-            added = f"{statistics.mean(diffs) / base * 100:+.1f}%"
-        print(f"| {name} | {med:.2f} | {delta} | {added} | "
-              f"{statistics.median(loop_us[side]):.2f} |")
+            ratios = [b / a - 1 for a, b in zip(totals[0], totals[side], strict=True)]
+            costs[name] = statistics.median(ratios)
+            cost = f"{costs[name] * 100:+.1f}%"
+            q = statistics.quantiles(ratios, n=4)
+            spread = f"{q[0] * 100:+.1f}% .. {q[2] * 100:+.1f}% (IQR)"
+        print(f"| {name} | {statistics.median(sched[side]):.2f} | "
+              f"{statistics.median(loop_us[side]):.2f} | {med_total:.2f} | {cost} | {spread} |")
     for name, st, res in zip(names[2:], stats, results, strict=True):
         print(f"  # {name}: {st.batches_sent:,} batches, {st.events_sent:,} KV events sent, "
               f"{st.events_dropped} dropped, described keys left {st.described_keys}; "
               f"consumer got {res['received']:,} batches, {res['gaps']} gaps")
+    return costs
+
+
+# -- section 3: encoding a batch ------------------------------------------------------
+
+
+def encode_section(args: argparse.Namespace) -> None:
+    """``EventTranslator.encode`` (straight to msgpack) vs ``translate`` + msgspec's encoder
+    (what the publisher did before), on the same batches, alternated, paired medians."""
+    import msgspec
+
+    from aiokvo.telemetry.kv_wire import EventBatch, EventTranslator
+
+    trace = Trace.generate(args.capacity, args.warm_requests + 40_000, args.seed + 2)
+    print("\nEncoding one batch (loop-thread CPU time per batch; paired rounds alternate "
+          "which goes first):")
+    print("| requests per batch | keys per batch | translate + msgspec µs | encode µs | "
+          "ratio (median of paired) |")
+    print("|---:|---:|---:|---:|---:|")
+    for per_batch in (8, 16, 64, 256):
+        steps = record_stream(trace, args.policy, per_batch, max(10_000, args.capacity // 20))
+        batches = [[OffloadingEvent([OffloadKey(k) for k in keys], "CPU", removed)
+                    for removed, keys in step] for step in steps if step][:1000]
+        translator = EventTranslator()
+        encoder = msgspec.msgpack.Encoder()
+
+        def old(batch: list[OffloadingEvent], translator: EventTranslator = translator,
+                encoder: msgspec.msgpack.Encoder = encoder) -> bytes:  # fmt: skip
+            out: list[Any] = []
+            for event in batch:
+                translator.translate(event, out)
+            return encoder.encode(EventBatch(0.0, out, 0))
+
+        def new(batch: list[OffloadingEvent], translator: EventTranslator = translator) -> bytes:
+            parts: list[bytes] = []
+            translator.encode(batch, parts)
+            return b"".join(parts)
+
+        times: dict[str, list[float]] = {"old": [], "new": []}
+        for r in range(args.encode_rounds):
+            pair = (("old", old), ("new", new)) if r % 2 == 0 else (("new", new), ("old", old))
+            for name, fn in pair:
+                t0 = time.thread_time()
+                for batch in batches:
+                    fn(batch)
+                times[name].append((time.thread_time() - t0) / len(batches) * 1e6)
+        ratios = [n / o for o, n in zip(times["old"], times["new"], strict=True)]
+        keys = sum(len(e.keys) for b in batches for e in b) / len(batches)
+        print(f"| {per_batch} | {keys:,.0f} | {statistics.median(times['old']):.1f} | "
+              f"{statistics.median(times['new']):.1f} | {statistics.median(ratios):.2f}x |")
 
 
 # -- main ------------------------------------------------------------------------------
@@ -395,9 +451,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=2_000)
     parser.add_argument("--manager-steps", default="8,64",
                         help="requests per scheduler step in the manager-cost section")
-    parser.add_argument("--batch-interval", type=float, default=0.0,
-                        help="the publishers' batch_interval (s) in the manager-cost section")
+    parser.add_argument("--batch-interval", type=float, default=None,
+                        help="the publishers' batch_interval (s) in the cost section "
+                        "(default: the publisher's default)")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="time the loop thread's CPU time (default; robust on a shared "
+                        "box) or wall time")
     parser.add_argument("--no-events", action="store_true")
+    parser.add_argument("--no-encode", action="store_true")
+    parser.add_argument("--encode-rounds", type=int, default=10)
     parser.add_argument("--no-manager", action="store_true")
     parser.add_argument("--consume", metavar="ENDPOINT", help=argparse.SUPPRESS)
     parser.add_argument("--expect", type=int, default=-1, help=argparse.SUPPRESS)
@@ -410,9 +472,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     if not args.no_events:
         events_section(args)
+    if not args.no_encode:
+        encode_section(args)
     if not args.no_manager:
+        headline = {}
         for per_step in map(int, args.manager_steps.split(",")):
-            aiokvo.run(manager_section(args, per_step))
+            headline[per_step] = aiokvo.run(manager_section(args, per_step))
+        print("\n# The publisher's cost to the loop (KVEventPublisher vs nobody subscribed, "
+              "median of paired rounds):")
+        for per_step, costs in headline.items():
+            print(f"#   {per_step} requests per step: publisher {costs['publisher'] * 100:+.1f}%"
+                  f", with describe {costs['publisher+describe'] * 100:+.1f}%"
+                  f" (a bare subscription: {costs['subscribed'] * 100:+.1f}%)")
     print(f"\n# total {time.perf_counter() - t0:.0f}s")
     return 0
 

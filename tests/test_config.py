@@ -257,7 +257,7 @@ def test_from_dict_requires_cpu_bytes_to_use() -> None:
 def test_from_dict_checks_engine_values_too() -> None:
     with pytest.raises(ConfigError, match="hash_block_size"):
         from_dict({"cpu_bytes_to_use": GIB}, gpu_block_sizes=(16,), hash_block_size=32)
-    with pytest.raises(ConfigError, match="world_size must be an int >= 1, got 0"):
+    with pytest.raises(ConfigError, match=r"world_size must be an int in 1\.\.65536, got 0"):
         from_dict({"cpu_bytes_to_use": GIB}, world_size=0)
 
 
@@ -338,3 +338,53 @@ def test_from_dict_tiers_read_numbers_as_strings_the_same_way_for_every_kind() -
     assert (d.capacity_bytes, d.max_write_blocks, d.io_timeout) == (1 << 20, 8, 2.5)
     assert (d.refresh_interval, d.reset_after) == (0.0, 10.0)
     assert (m.max_write_blocks, m.io_timeout) == (8, 2.5)
+
+
+# -- absurd sizes and shapes (issue 22 §4) -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("gpu_block_sizes", (1 << 40,)),
+        ("hash_block_size", 1 << 40),
+        ("kv_bytes_per_block", 1 << 70),
+        ("offloaded_block_size", 16 << 40),
+        ("store_threshold", 1 << 70),
+        ("max_tracker_size", 1 << 70),
+        ("world_size", 1 << 40),
+        ("cpu_bytes_to_use", 1 << 70),  # not an int64: torch could not even be asked
+        ("cpu_bytes_to_use", 1 << 62),  # more memory than any machine has
+    ],
+)
+def test_absurd_sizes_raise_config_error_naming_field_and_value(field: str, value: Any) -> None:
+    kwargs: dict[str, Any] = {field: value}
+    with pytest.raises(ConfigError) as info:
+        make(**kwargs)
+    message = str(info.value)
+    assert field in message
+    shown = value[0] if isinstance(value, tuple) else value
+    assert str(shown) in message
+
+
+def test_a_pool_of_more_blocks_than_block_ids_hold_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"num_cpu_blocks=.* more than 2147483647"):
+        make(cpu_bytes_to_use=4 << 30, kv_bytes_per_block=1)
+
+
+def test_a_pool_bigger_than_this_machine_names_its_memory() -> None:
+    import os
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with pytest.raises(ConfigError, match=f"this machine's memory \\({memory} bytes\\)"):
+        make(cpu_bytes_to_use=memory + 1)
+    assert make(cpu_bytes_to_use=memory // 2).cpu_bytes_to_use == memory // 2
+
+
+@pytest.mark.parametrize("extra", [None, [("cpu_bytes_to_use", 1 << 30)], "cpu_bytes_to_use", 7])
+def test_from_dict_given_something_that_is_not_a_mapping_raises_config_error(
+    extra: Any,
+) -> None:
+    with pytest.raises(ConfigError, match="kv_connector_extra_config must be a mapping") as info:
+        from_dict(extra)
+    assert repr(extra) in str(info.value)

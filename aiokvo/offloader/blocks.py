@@ -67,14 +67,17 @@ class GpuGeometry:
             for refs in kv_caches.group_data_refs
         )
 
-    def resolve(self, num_keys: int, gpu_block_ids: object, what: str) -> GpuBlocks:
+    def resolve(
+        self, num_keys: int, gpu_block_ids: object, what: str, *, distinct: bool = False
+    ) -> GpuBlocks:
         """Check ``gpu_block_ids`` against ``num_keys`` keys and the tensors.
 
         Raises :class:`~aiokvo.errors.TransferSpecError` naming the problem;
-        ``what`` names the call in the message.
+        ``what`` names the call in the message. With ``distinct`` (loads, which
+        write the blocks) no GPU block of a group may be named twice.
         """
         if isinstance(gpu_block_ids, GPULoadStoreSpec):
-            return self._resolve_spec(num_keys, gpu_block_ids, what)
+            return self._resolve_spec(num_keys, gpu_block_ids, what, distinct)
         if self.num_groups != 1:
             raise TransferSpecError(
                 f"{what}: the KV caches have {self.num_groups} groups; pass a GPULoadStoreSpec "
@@ -92,9 +95,13 @@ class GpuGeometry:
                 f"{what}: {num_keys} keys need {num_keys * factor} GPU block ids "
                 f"({per_key} per key), got {ids.shape[0]}"
             )
+        if distinct:
+            _check_distinct(ids, what, 0)
         return GpuBlocks(ids, factor, None, num_keys)
 
-    def _resolve_spec(self, num_keys: int, spec: GPULoadStoreSpec, what: str) -> GpuBlocks:
+    def _resolve_spec(
+        self, num_keys: int, spec: GPULoadStoreSpec, what: str, distinct: bool
+    ) -> GpuBlocks:
         if len(spec.group_sizes) != self.num_groups:
             raise TransferSpecError(
                 f"{what}: the GPU spec has {len(spec.group_sizes)} groups "
@@ -108,6 +115,8 @@ class GpuGeometry:
             count = -(-(size + skip) // factor) if size else 0
             ids = spec.block_ids[block_start : block_start + size]
             check_ids_in_range(ids, self.rows[g], "GPU block id", f"{what}, group {g}")
+            if distinct:
+                _check_distinct(ids, what, g)
             groups.append(_Group(g, first, skip, size, block_start, key_start, count))
             block_start += size
             key_start += count
@@ -250,8 +259,38 @@ def _increasing(indices: Sequence[int]) -> bool:
     return all(a < b for a, b in pairwise(indices))
 
 
+def _check_distinct(ids: Int64Array, what: str, group: int) -> None:
+    """No GPU block named twice: a load would write two keys' bytes into one block."""
+    n = ids.shape[0]
+    if n < 2:
+        return
+    listed = ids.tolist()
+    if n <= 64:
+        if len(set(listed)) == n:
+            return
+    else:
+        ordered = np.sort(ids)
+        if not (ordered[1:] == ordered[:-1]).any():
+            return
+    first: dict[int, int] = {}
+    for i, block in enumerate(listed):
+        if block in first:
+            raise TransferSpecError(
+                f"{what}: GPU block {block} (group {group}) is named twice, at positions "
+                f"{first[block]} and {i}: one load would write two keys into it"
+            )
+        first[block] = i
+
+
+def _refuse_bools(value: Sequence[Any], what: str) -> None:
+    """``True`` is an int to numpy (block 1): a bool among block ids is a caller's bug."""
+    if bool in map(type, value):
+        raise TransferSpecError(f"{what}: GPU block ids must be ints, got a bool in {value!r}")
+
+
 def _list_ids(value: list[Any], rows: int, what: str) -> Int64Array:
     """A list of block ids as int64, each checked to be an int in ``0..rows-1``."""
+    _refuse_bools(value, what)
     ids = np.array(value)
     if ids.dtype.kind not in "iu" or ids.ndim != 1:
         if not value:
@@ -265,13 +304,16 @@ def _list_ids(value: list[Any], rows: int, what: str) -> Int64Array:
 
 
 def _as_ids(value: object, what: str) -> Int64Array:
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        _refuse_bools(value, what)
     try:
         ids = np.asarray(value)
     except (TypeError, ValueError):
         raise TransferSpecError(f"{what}: GPU block ids must be integers, got {value!r}") from None
     if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
         raise TransferSpecError(
-            f"{what}: GPU block ids must be a flat sequence of integers, got {value!r}"
+            f"{what}: GPU block ids must be a flat sequence of integers, got {value!r} "
+            f"(dtype {ids.dtype})"
         )
     ids = ids.astype(np.int64, copy=False)
     if ids.flags.writeable and ids is value:

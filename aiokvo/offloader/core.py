@@ -46,13 +46,14 @@ from aiokvo.events import EventSubscription
 from aiokvo.factory import OffloadingSpecFactory
 from aiokvo.handlers.task import TransferTask
 from aiokvo.handlers.worker import OffloadingWorker
-from aiokvo.keys import OffloadKey
+from aiokvo.keys import OffloadKey, check_keys, key_sequence
 from aiokvo.layout import CanonicalKVCaches, EngineKVCaches, KVLayout
 from aiokvo.manager.base import OffloadingManager
 from aiokvo.manager.sink import OverflowPolicy
 from aiokvo.offloader.blocks import GpuBlockIds, GpuBlocks, GpuGeometry
 from aiokvo.offloader.inflight import InFlight
 from aiokvo.offloader.lease import PrefixLease
+from aiokvo.offloader.refusals import PoolPressure, RefusalLog
 from aiokvo.offloader.results import OffloaderStatistics, StoreResult
 from aiokvo.offloader.tiered import Promotion, TierDriver, positions
 from aiokvo.offloading_spec import CPUOffloadingSpec, OffloadingSpec
@@ -171,7 +172,8 @@ class Offloader(AsyncResource):
         self._loads = self._leases_made = self._hit_blocks = self._miss_blocks = 0
         self._blocks_loaded = self._blocks_load_failed = 0
         self._store_waits = self._polled_waits = self._waiters = self._cancelled_waits = 0
-        self._stores = self._stores_refused = 0
+        self._stores = self._stores_refused = self._blocks_store_refused = 0
+        self._refusals = RefusalLog()
         self._blocks_stored = self._blocks_skipped = 0
         self._blocks_evicted = self._blocks_store_failed = 0
         self._load_transfers = self._load_failures = self._load_bytes = 0
@@ -251,10 +253,10 @@ class Offloader(AsyncResource):
         hold anything). Cancelling the caller cancels the wait, never the copy.
         """
         self._check_open("load_prefix")
-        keys = _as_list(keys)
+        keys = _as_list(keys, "Offloader.load_prefix")
         if self.recorder is not None:
             self.recorder(keys)
-        blocks = self._geometry.resolve(len(keys), gpu_block_ids, "load_prefix")
+        blocks = self._geometry.resolve(len(keys), gpu_block_ids, "load_prefix", distinct=True)
         ctx = self._ctx if ctx is None else ctx
         self._loads += 1
         tiers = self._tiers
@@ -321,7 +323,7 @@ class Offloader(AsyncResource):
         for several groups, pin each group's keys separately.
         """
         self._check_open("pin_prefix")
-        keys = _as_list(keys)
+        keys = _as_list(keys, "Offloader.pin_prefix")
         if self.recorder is not None:
             self.recorder(keys)
         ctx = self._ctx if ctx is None else ctx
@@ -353,7 +355,7 @@ class Offloader(AsyncResource):
         before reusing them.
         """
         self._check_open("store")
-        keys = _as_list(keys)
+        keys = _as_list(keys, "Offloader.store")
         blocks = self._geometry.resolve(len(keys), gpu_block_ids, "store")
         ctx = self._ctx if ctx is None else ctx
         self._stores += 1
@@ -365,10 +367,10 @@ class Offloader(AsyncResource):
             self._check_open("store")
         out = self._manager.prepare_store(keys, ctx)
         if out is None:
-            self._stores_refused += 1
-            failed = tuple(dict.fromkeys(keys))
-            self._blocks_store_failed += len(failed)
-            return StoreResult(failed=failed)
+            refused = tuple(dict.fromkeys(keys))
+            self._refused(len(refused))
+            return StoreResult(refused=refused)
+        self._refusals.room()
         reserved = out.keys_to_store
         evicted = tuple(out.evicted_keys)
         self._blocks_evicted += len(evicted)
@@ -420,13 +422,15 @@ class Offloader(AsyncResource):
 
         Returns at once (without yielding) when none is. Any number of
         coroutines may wait; each is woken when the stores end, successful or
-        not. Cancelling a waiter cancels only its wait.
+        not. Cancelling a waiter cancels only its wait. A bare key (not in a list)
+        raises :class:`~aiokvo.errors.InvalidKeyError`, as in every call taking keys.
         """
         self._check_open("ready")
+        keys = key_sequence(keys, "Offloader.ready")  # a bare key would be read as ints
+        check_keys(keys, "Offloader.ready")
         writing = self._writing
         if not writing:
             return
-        keys = _as_list(keys)
         while True:
             stores = {copy for key in keys if (copy := writing.get(key)) is not None}
             if not stores:
@@ -504,6 +508,7 @@ class Offloader(AsyncResource):
             blocks_skipped=self._blocks_skipped,
             blocks_evicted=self._blocks_evicted,
             blocks_store_failed=self._blocks_store_failed,
+            blocks_store_refused=self._blocks_store_refused,
             load_transfers=self._load_transfers,
             load_transfer_failures=self._load_failures,
             load_bytes=self._load_bytes,
@@ -705,6 +710,23 @@ class Offloader(AsyncResource):
                 self._store_failures += 1
             copy.finish(result)
 
+    def _refused(self, keys: int) -> None:
+        """Count a store the pool had no room for, and say why once per burst."""
+        self._stores_refused += 1
+        self._blocks_store_refused += keys
+        self._refusals.refused(keys, self._pool_pressure)
+
+    def _pool_pressure(self) -> PoolPressure:
+        manager = self._manager.statistics()
+        return PoolPressure(
+            num_blocks=manager.num_blocks,
+            writing_blocks=manager.writing_blocks,
+            pinned_blocks=manager.pinned_blocks,
+            pinned_by_tier_writes=0 if self._tiers is None else self._tiers.pinned_by_writes,
+            write_limit=0 if self._tiers is None else self._tiers.write_limit,
+            stores_in_flight=self._stores_in_flight,
+        )
+
     def _report(self, call: str, error: Exception) -> None:
         loop = self._loop or asyncio.get_running_loop()
         loop.call_exception_handler(
@@ -726,5 +748,6 @@ def _tiers(config: OffloadConfig, tiers: Sequence[Tier] | None) -> list[Tier]:
     return list(tiers)
 
 
-def _as_list(keys: Iterable[OffloadKey]) -> list[OffloadKey]:
-    return keys if isinstance(keys, list) else list(keys)
+def _as_list(keys: Iterable[OffloadKey], what: str) -> list[OffloadKey]:
+    """``keys`` as a list; a bare key (bytes, which iterates as ints) is refused."""
+    return keys if type(keys) is list else list(key_sequence(keys, what))

@@ -89,7 +89,9 @@ class PrefixLease(AsyncResource):
         if self._state != _PINNED:
             raise LeaseError(f"this lease of {self.count} keys is {self._state}; it loads once")
         offloader._check_open("load_into")
-        blocks = offloader._geometry.resolve(self.count, gpu_block_ids, "load_into")
+        blocks = offloader._geometry.resolve(
+            self.count, gpu_block_ids, "load_into", distinct=True
+        )
         if not self.keys:
             self._state = _RELEASED
             return 0

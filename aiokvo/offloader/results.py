@@ -21,8 +21,11 @@ class StoreResult:
     * ``skipped``: not written by this call: already held (ready, or being
       written by another store), held back by the reuse filter, or listed twice;
     * ``evicted``: other keys dropped from the pool to make room;
-    * ``failed``: reserved but the copy failed (released again, never readable),
-      or, when the pool could not make room at all, every key of the call.
+    * ``refused``: every key of the call, when the pool could not make room
+      for them at all (every block it could evict is held by a store being
+      written, a load, a lease or a tier write in flight): nothing was
+      copied, and the same store may succeed once blocks free up;
+    * ``failed``: reserved but the copy failed (released again, never readable).
 
     Keys appear in call order, each once.
     """
@@ -31,11 +34,12 @@ class StoreResult:
     skipped: tuple[OffloadKey, ...] = ()
     evicted: tuple[OffloadKey, ...] = ()
     failed: tuple[OffloadKey, ...] = ()
+    refused: tuple[OffloadKey, ...] = ()
 
     @property
     def ok(self) -> bool:
-        """True when nothing failed (skipped keys are not failures)."""
-        return not self.failed
+        """True when nothing failed or was refused (skipped keys are not failures)."""
+        return not self.failed and not self.refused
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,6 +83,8 @@ class OffloaderStatistics:
     """Keys evicted to make room (``StoreResult.evicted``)."""
     blocks_store_failed: int = 0
     """Keys whose store failed (``StoreResult.failed``)."""
+    blocks_store_refused: int = 0
+    """Keys refused a slot: the pool could not make room (``StoreResult.refused``)."""
     load_transfers: int = 0
     """Copies to the GPU finished."""
     load_transfer_failures: int = 0

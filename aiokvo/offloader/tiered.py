@@ -348,6 +348,12 @@ class TierDriver:
     def pinned_by_writes(self) -> int:
         return sum(self._pinned_by_writes.values())
 
+    @property
+    def write_limit(self) -> int:
+        """CPU blocks write-through may pin at once: every tier's ``max_write_blocks``
+        (an upper bound: tiers writing the same blocks share pins), at most the pool."""
+        return min(self._pool_blocks, sum(self._limit.values()))
+
 
 def _group_slices(
     keys: list[OffloadKey], blocks: GpuBlocks, lo: int, hi: int

@@ -18,7 +18,10 @@ _EPILOG = """examples:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from aiokvo import __version__
+
     parser = argparse.ArgumentParser(prog="aiokvo", description="aiokvo's command-line tools")
+    parser.add_argument("--version", action="version", version=f"aiokvo {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     watch = commands.add_parser(
         "watch", help="a live view of a running process's cache",

@@ -9,21 +9,24 @@ tiers) exactly as they index vLLM's GPU blocks:
   ``payload`` is a msgpack ``[ts, events, data_parallel_rank]`` batch
   (:mod:`aiokvo.telemetry.kv_wire` has the event structs and the mapping);
 * an optional ROUTER socket serves replays: a client sends a start sequence
-  number (8 bytes, big-endian), gets every buffered batch from there as
-  ``[topic, seq, payload]``, then the end marker ``[b"", seq -1, b""]``.
+  number (8 bytes, big-endian), gets the buffered batches from there, then
+  the end marker (:mod:`aiokvo.telemetry.kv_replay` serves them within
+  bounds any network peer can be allowed, and lists the exact frames each
+  client socket type receives).
 
 Nothing here runs on the manager's path. The manager pushes into a bounded
-:class:`~aiokvo.events.EventSubscription` (it never waits); a task on the
-loop drains it once per wake-up, so everything one scheduler step did goes
-out as one batch, as vLLM publishes one batch per engine step. Both sockets
-are ``zmq.asyncio`` sockets that never block: PUB drops messages for a
-subscriber past its high-water mark (the subscriber sees a gap in ``seq``
-and can replay), ROUTER drops replies to a client that does not read. Memory
-is bounded by the subscription, the replay buffer (batches and bytes) and
-the high-water marks. Events lost before they got a sequence number (the
-subscription lagged) are counted in :meth:`KVEventPublisher.statistics`;
-with ``on_lag="clear"`` an ``AllBlocksCleared`` marks the gap (see
-``docs/telemetry.md`` for why that is not the default).
+:class:`~aiokvo.events.EventSubscription` (it never waits); when events come,
+a task on the loop waits ``batch_interval`` (2 ms) and sends what came as one
+batch, so an engine whose steps take longer gets one batch per step, as vLLM
+publishes. Both sockets are ``zmq.asyncio`` sockets that never block: PUB
+drops messages for a subscriber past its high-water mark (the subscriber sees
+a gap in ``seq`` and can replay), and the replay ROUTER pauses, then drops,
+a client that does not read. Memory is bounded by the subscription, the
+replay buffer (batches and bytes) and the high-water marks. Events lost
+before they got a sequence number (the subscription lagged) are counted in
+:meth:`KVEventPublisher.statistics`; with ``on_lag="clear"`` an
+``AllBlocksCleared`` marks the gap (see ``docs/telemetry.md`` for why that
+is not the default).
 
 Needs the ``kv-events`` extra (``pip install 'aiokvo[kv-events]'``: pyzmq
 and msgspec).
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -54,30 +58,34 @@ from aiokvo.events import Lagged
 from aiokvo.keys import OffloadKey
 from aiokvo.manager.sink import OverflowPolicy
 from aiokvo.specs import BlockMetadata, ReqContext
+from aiokvo.telemetry.kv_replay import END_SEQ, ReplayLimits, ReplayServer
 from aiokvo.telemetry.kv_wire import (
     Encoding,
     EventBatch,
     EventTranslator,
     HashFormat,
     WireMedium,
+    array_header,
 )
 
 __all__ = [
+    "DEFAULT_BATCH_INTERVAL",
     "END_SEQ",
     "EventSource",
     "KVEventPublisher",
     "KVEventPublisherStatistics",
     "LagPolicy",
+    "ReplayLimits",
 ]
 
 logger = logging.getLogger(__name__)
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-"""The replay end marker's sequence frame (vLLM's ``END_SEQ``: ``ff`` x 8)."""
-
 LagPolicy = Literal["count", "clear"]
 _LAG_POLICIES: tuple[LagPolicy, ...] = ("count", "clear")
-_REPLAY_YIELD_EVERY = 128  # replies sent between yields to the loop during a replay
+DEFAULT_BATCH_INTERVAL = 0.002
+"""Seconds of events one batch gathers by default (benchmarks/RESULTS.md, "KV events")."""
+
+_FLOAT64 = struct.Struct(">d")
 _MORE = int(zmq.SNDMORE | zmq.DONTWAIT)  # plain ints: enum arithmetic per frame costs
 _LAST = int(zmq.DONTWAIT)
 
@@ -116,12 +124,26 @@ class KVEventPublisherStatistics:
     """Batches that failed to encode or send (logged; their sequence number is skipped)."""
     queued: int
     """Source events waiting in the subscription."""
+    replay_requests: int
+    """Well-formed replay requests received (a peer's new request replaces its old one)."""
     replays_served: int
     """Replay requests answered (each ends with the end marker)."""
     replay_batches_sent: int
     """Batches re-sent to replay clients."""
+    replay_bytes_sent: int
+    """Payload bytes of those batches."""
     invalid_replay_requests: int
     """Replay requests that were not ``[b"", start_seq]`` (ignored, as vLLM does)."""
+    replays_refused: int
+    """Replay requests not served: ``max_replays`` in progress and ``max_pending`` waiting."""
+    replays_cut: int
+    """Replays dropped because their peer stopped reading (``stall_timeout``) or went away."""
+    replays_truncated: int
+    """Replays that ended early at ``max_replay_bytes`` (the client asks again from there)."""
+    replays_in_progress: int
+    """Replays being sent now (``pending`` more waiting)."""
+    replays_pending: int
+    """Replay requests waiting for one in progress to end."""
     buffer_batches: int
     """Batches kept for replay now."""
     buffer_bytes: int
@@ -130,21 +152,31 @@ class KVEventPublisherStatistics:
     """Keys with caller metadata waiting for their store event."""
     described_dropped: int
     """Described keys forgotten unused (the metadata table is bounded)."""
+    pub_mode: Literal["bind", "connect"]
+    """How the PUB socket reached its endpoint: ``"bind"`` (subscribers connect to it)
+    or ``"connect"`` (it connects to a bound subscriber or XSUB proxy)."""
+    pub_endpoint: str
+    """The PUB endpoint (after binding, the address actually bound)."""
 
 
 class KVEventPublisher(AsyncResource):
-    """Publishes ``source``'s events on ``endpoint`` as vLLM's ZmqEventPublisher does.
+    """Publishes KV events; BINDS ``tcp://*:PORT`` (or port 0, ipc, inproc), CONNECTS otherwise.
 
     ``async with KVEventPublisher(manager, "tcp://*:5557") as publisher:``
     binds (or connects), subscribes to ``source`` and publishes until the
     block ends; leaving it publishes what is still queued, then closes both
     sockets. ``source`` is anything with ``subscribe(maxsize=, overflow=)``
-    returning an event subscription: a manager now, an Offloader later.
+    returning an event subscription: a manager or an Offloader.
 
-    Endpoints follow vLLM's rule: a wildcard host (``*``, ``::``), ``ipc://``
-    and ``inproc://`` bind, and so does TCP port 0 (an ephemeral port, read it
-    back from :attr:`endpoint`); any other address connects (to an XSUB
-    proxy, say). ``bind`` overrides the rule. The replay socket always binds.
+    Endpoints follow vLLM's ZmqEventPublisher rule: a wildcard host (``*``,
+    ``::``), ``ipc://`` and ``inproc://`` bind, and so does TCP port 0 (an
+    ephemeral port, read it back from :attr:`endpoint`); **any other address
+    connects** (to an XSUB proxy, say), so ``"tcp://127.0.0.1:5557"``
+    publishes to whoever *binds* there and to nobody if no one does. ``bind``
+    overrides the rule. Which way it went is logged once at INFO when it
+    starts and shown as ``statistics().pub_mode`` (``"bind"`` or
+    ``"connect"``) and ``statistics().pub_endpoint``. The replay socket always
+    binds.
 
     Options: ``encoding="array"`` for consumers pinned to vLLM <= 0.23;
     ``hash_format="bytes"`` for raw block hashes; ``media`` to rename media
@@ -152,11 +184,15 @@ class KVEventPublisher(AsyncResource):
     ``max_buffer_bytes`` bound the replay buffer; ``hwm`` is each socket's
     high-water mark; ``max_queue`` bounds the subscription; ``on_lag``
     decides what an overflow of it publishes; ``max_described`` bounds the
-    metadata table (:meth:`describe`); ``batch_interval`` (seconds, default 0:
-    one batch per loop wake-up, as vLLM sends one per engine step) gathers
-    events that long into one batch, for schedulers that step far more often
-    than a router needs. ``context`` is a ``zmq.asyncio`` context to use
-    (default: one of its own, terminated on close).
+    metadata table (:meth:`describe`); ``batch_interval`` (seconds, default
+    0.002) gathers the events of that long into one batch: an engine whose
+    steps take longer (a real one: milliseconds) still gets one batch per step,
+    as vLLM sends, at most 2 ms later; a scheduler that steps far more often
+    pays the per-batch work once per interval. 0 sends one batch per loop
+    wake-up. ``replay_limits`` bounds what replay peers can make
+    the publisher do (:class:`~aiokvo.telemetry.kv_replay.ReplayLimits`).
+    ``context`` is a ``zmq.asyncio`` context to use (default: one of its
+    own, terminated on close).
     """
 
     def __init__(
@@ -176,8 +212,9 @@ class KVEventPublisher(AsyncResource):
         max_queue: int = 16_384,
         on_lag: LagPolicy = "count",
         max_described: int = 65_536,
-        batch_interval: float = 0.0,
+        batch_interval: float = DEFAULT_BATCH_INTERVAL,
         bind: bool | None = None,
+        replay_limits: ReplayLimits | None = None,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         if not hasattr(source, "subscribe"):
@@ -205,12 +242,16 @@ class KVEventPublisher(AsyncResource):
         if bind is not None and not isinstance(bind, bool):
             raise ConfigError(f"bind must be a bool or None, got {bind!r}")
         self._bind = _is_bind_endpoint(self._endpoint) if bind is None else bind
+        if replay_limits is not None and not isinstance(replay_limits, ReplayLimits):
+            raise ConfigError(f"replay_limits must be a ReplayLimits, got {replay_limits!r}")
+        self._replay_limits = ReplayLimits() if replay_limits is None else replay_limits
+        self._replayer: ReplayServer | None = None
         self._source = source
         self._topic = topic.encode("utf-8")
         self._rank = data_parallel_rank
         self._context = context
         self._own_context = context is None
-        self._encoder = msgspec.msgpack.Encoder()
+        self._batch_frame = _batch_frame(self._rank)
 
         self._sub: _Subscription | None = None
         self._pub: zmq.asyncio.Socket | None = None
@@ -226,9 +267,6 @@ class KVEventPublisher(AsyncResource):
         self._events_dropped = 0
         self._lag_clears = 0
         self._send_errors = 0
-        self._replays = 0
-        self._replay_batches = 0
-        self._invalid_replays = 0
 
     # -- lifetime --------------------------------------------------------------------
 
@@ -258,7 +296,7 @@ class KVEventPublisher(AsyncResource):
             if self._replay_endpoint is not None:
                 router = ctx.socket(zmq.ROUTER)
                 router.setsockopt(zmq.LINGER, 0)
-                router.set_hwm(self._hwm)
+                ReplayServer.configure(router, self._replay_limits)
                 self._replay_endpoint = _bind(router, self._replay_endpoint)
             self._sub = self._source.subscribe(maxsize=self._max_queue, overflow="drop_oldest")
         except BaseException:
@@ -272,10 +310,23 @@ class KVEventPublisher(AsyncResource):
         self._pub, self._router = pub, router
         self._send = zmq.Socket.shadow(pub.underlying).send
         self._state = "running"
+        if self._bind:
+            logger.info("KV events: PUB bound to %s; subscribers connect there%s",
+                        self._endpoint, self._replay_note())
+        else:
+            logger.info(
+                "KV events: PUB connecting to %s (a non-wildcard address connects, vLLM's "
+                "rule): only a subscriber or XSUB proxy bound there receives events; give "
+                "'tcp://*:PORT' or bind=True to bind instead%s",
+                self._endpoint, self._replay_note(),
+            )
         self._tasks.append(asyncio.create_task(self._pump(), name="aiokvo-kv-events-pub"))
         if router is not None:
+            self._replayer = ReplayServer(
+                router, self._buffer, self._topic, lambda: self._seq, self._replay_limits
+            )
             self._tasks.append(
-                asyncio.create_task(self._serve_replays(), name="aiokvo-kv-events-replay")
+                asyncio.create_task(self._replayer.run(), name="aiokvo-kv-events-replay")
             )
 
     async def aclose(self) -> None:
@@ -303,6 +354,8 @@ class KVEventPublisher(AsyncResource):
         """Wait until every event the source has made so far is sent."""
         while self._state == "running":
             await self._idle.wait()
+            if not self._idle.is_set():
+                continue  # woken, but the pump took events meanwhile and holds them
             assert self._sub is not None
             if not self._sub.qsize():
                 return
@@ -341,6 +394,7 @@ class KVEventPublisher(AsyncResource):
         return self._replay_endpoint
 
     def statistics(self) -> KVEventPublisherStatistics:
+        replayer = self._replayer
         return KVEventPublisherStatistics(
             batches_sent=self._seq - self._send_errors,
             events_sent=self._events_sent,
@@ -348,17 +402,31 @@ class KVEventPublisher(AsyncResource):
             lag_clears=self._lag_clears,
             send_errors=self._send_errors,
             queued=self._sub.qsize() if self._sub is not None else 0,
-            replays_served=self._replays,
-            replay_batches_sent=self._replay_batches,
-            invalid_replay_requests=self._invalid_replays,
+            replay_requests=0 if replayer is None else replayer.requests,
+            replays_served=0 if replayer is None else replayer.served,
+            replay_batches_sent=0 if replayer is None else replayer.batches_sent,
+            replay_bytes_sent=0 if replayer is None else replayer.bytes_sent,
+            invalid_replay_requests=0 if replayer is None else replayer.invalid,
+            replays_refused=0 if replayer is None else replayer.refused,
+            replays_cut=0 if replayer is None else replayer.cut,
+            replays_truncated=0 if replayer is None else replayer.truncated,
+            replays_in_progress=0 if replayer is None else replayer.in_progress,
+            replays_pending=0 if replayer is None else replayer.pending,
             buffer_batches=len(self._buffer),
             buffer_bytes=self._buffer_bytes,
             described_keys=self._translator.described,
             described_dropped=self._translator.described_dropped,
+            pub_mode="bind" if self._bind else "connect",
+            pub_endpoint=self._endpoint,
         )
 
     def __repr__(self) -> str:
-        return f"<KVEventPublisher {self._state} {self._endpoint!r} seq={self._seq}>"
+        mode = "bound to" if self._bind else "connecting to"
+        return f"<KVEventPublisher {self._state} {mode} {self._endpoint!r} seq={self._seq}>"
+
+    def _replay_note(self) -> str:
+        replay = self._replay_endpoint
+        return "" if replay is None else f"; replay ROUTER bound to {replay}"
 
     # -- the tasks -------------------------------------------------------------------
 
@@ -377,23 +445,28 @@ class KVEventPublisher(AsyncResource):
             items = sub.drain_nowait()
             items.insert(0, first)
             try:
-                await self._publish(items)
+                self._publish(items)
             except Exception:  # keep publishing; a router resyncs from the seq gap
                 self._send_errors += 1
                 self._seq += 1
                 logger.exception("KV event batch %d could not be published", self._seq - 1)
 
-    async def _publish(self, items: list[Any]) -> None:
-        events: list[Any] = []
-        translate = self._translator.translate
+    def _publish(self, items: list[Any]) -> None:
+        batch: list[Any] = []  # source events, and AllBlocksCleared where events were lost
         for item in items:
             if isinstance(item, Lagged):
-                self._lost(item.missed, events)
+                self._lost(item.missed, batch)
             else:
-                translate(item, events)
-        if not events:
+                batch.append(item)
+        parts: list[bytes] = [b""]  # the batch's head goes first, once the count is known
+        count = self._translator.encode(batch, parts)
+        if not count:
             return
-        payload = self._encoder.encode(EventBatch(time.time(), events, self._rank))
+        # EventBatch [ts, events, rank] around the encoded events: what msgspec writes.
+        head, tail = self._batch_frame
+        parts[0] = head + _FLOAT64.pack(time.time()) + array_header(count)
+        parts.append(tail)
+        payload = b"".join(parts)
         seq = self._seq
         send = self._send
         assert send is not None
@@ -410,7 +483,7 @@ class KVEventPublisher(AsyncResource):
         send(seq.to_bytes(8, "big"), _MORE)
         send(payload, _LAST)
         self._seq = seq + 1
-        self._events_sent += len(events)
+        self._events_sent += count
         self._remember(seq, payload)
 
     def _lost(self, missed: int, events: list[Any]) -> None:
@@ -436,28 +509,14 @@ class KVEventPublisher(AsyncResource):
         ):
             self._buffer_bytes -= len(buffer.popleft()[1])
 
-    async def _serve_replays(self) -> None:
-        router = self._router
-        assert router is not None
-        while True:
-            frames = await router.recv_multipart()
-            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-                self._invalid_replays += 1
-                logger.warning("invalid KV event replay request: %d frames", len(frames))
-                continue
-            identity, _, start_bytes = frames
-            start = int.from_bytes(start_bytes, "big")
-            # A snapshot: the buffer moves on while the replay yields.
-            entries = [entry for entry in self._buffer if entry[0] >= start]
-            topic = self._topic
-            for n, (seq, payload) in enumerate(entries, 1):
-                await router.send_multipart((identity, b"", topic, seq.to_bytes(8, "big"),
-                                             payload))
-                self._replay_batches += 1
-                if n % _REPLAY_YIELD_EVERY == 0:
-                    await asyncio.sleep(0)  # live publishing goes on during a long replay
-            await router.send_multipart((identity, b"", b"", END_SEQ, b""))
-            self._replays += 1
+
+def _batch_frame(rank: int | None) -> tuple[bytes, bytes]:
+    """msgspec's encoding of ``EventBatch(ts, events, rank)`` around ``ts`` and ``events``:
+    the array header and the float marker before ``ts``, and what follows the events."""
+    empty = msgspec.msgpack.encode(EventBatch(0.0, [], rank))
+    # [0x93|0x92] [0xcb + 8 bytes of ts] [0x90: no events] [rank]
+    assert empty[1] == 0xCB and empty[10] == 0x90, empty
+    return empty[:2], empty[11:]
 
 
 # -- endpoints ---------------------------------------------------------------------

@@ -101,6 +101,11 @@ class EventFeed:
         self._task: asyncio.Task[None] | None = None
         self._media: dict[str, _Medium] = {}
         self._next_seq: int | None = None
+        self._monitor: Any = None
+        self._monitor_owner: Any = None
+        self.url = endpoint  # how notes name this feed
+        self.connected = False
+        self.refused = 0  # connection attempts refused (nothing listens there)
         self.batches = 0
         self.replayed = 0
         self.gaps = 0
@@ -111,6 +116,11 @@ class EventFeed:
         sub = self._sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        # Whether the connection is ever made: a publisher given a host address
+        # connects too, and two connecting sockets never meet (see totals()).
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED)
+        self._monitor = zmq.Socket.shadow(monitor.underlying)  # read without awaiting
+        self._monitor_owner = monitor
         sub.connect(self.endpoint)  # before the replay: what comes meanwhile is kept
         if self.replay is not None:
             await self._replay_from(0)
@@ -200,7 +210,35 @@ class EventFeed:
             return ownership.upper()
         return str(medium or "?")
 
+    def _watch_connection(self) -> None:
+        """Read the SUB socket's connection events that came since the last look."""
+        monitor = self._monitor
+        if monitor is None:
+            return
+        zmq = self._zmq
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            try:
+                frames = monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = parse_monitor_message(frames)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                self.refused += 1
+
     async def totals(self) -> Totals:
+        self._watch_connection()
+        if not self.connected and self.refused and not self.batches:
+            raise OSError(
+                f"nothing accepts connections there (refused {self.refused} times). A "
+                "KVEventPublisher binds only for a wildcard host ('tcp://*:PORT'), port 0, "
+                "ipc:// or inproc://; given a host address such as 'tcp://127.0.0.1:PORT' it "
+                "connects (vLLM's rule; its statistics().pub_mode says 'connect'), and two "
+                "connecting ends never meet: start it with 'tcp://*:PORT' or bind=True"
+            )
         tiers = {
             name: TierTotals(medium=name, stored_blocks=s.stored, evicted_blocks=s.removed,
                              used_blocks=len(s.resident))
@@ -214,6 +252,9 @@ class EventFeed:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         if self._sub is not None:
+            if self._monitor is not None:
+                self._sub.disable_monitor()
+                self._monitor_owner.close(linger=0)
             self._sub.close(linger=0)
         self._ctx.term()
 

@@ -126,13 +126,15 @@ def probe_gpus(python: str | None = None, timeout: float = PROBE_TIMEOUT) -> Gpu
 def requirement(
     gpu: Sequence[object] | None, multi_gpu: Sequence[object] | None,
     min_gpu_memory: Sequence[object] | None, where: str,
+    names: tuple[str, str, str] = ("gpu", "multi_gpu", "min_gpu_memory"),
 ) -> GpuRequirement:
     """The requirement of a test's ``gpu``/``multi_gpu``/``min_gpu_memory`` marker args.
 
+    ``names`` are the markers' names as the test wrote them (for messages).
     Raises ``ValueError`` naming ``where`` and the bad argument.
     """
     count = 1
-    for name, args, default in (("gpu", gpu, 1), ("multi_gpu", multi_gpu, 2)):
+    for name, args, default in ((names[0], gpu, 1), (names[1], multi_gpu, 2)):
         if args is None:
             continue
         if len(args) > 1:
@@ -145,11 +147,11 @@ def requirement(
     min_gib = 0.0
     if min_gpu_memory is not None:
         if len(min_gpu_memory) != 1:
-            raise ValueError(f"{where}: @pytest.mark.min_gpu_memory takes one size in GiB, "
+            raise ValueError(f"{where}: @pytest.mark.{names[2]} takes one size in GiB, "
                              f"got {min_gpu_memory!r}")
         value = min_gpu_memory[0]
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise ValueError(f"{where}: @pytest.mark.min_gpu_memory size must be a number of "
+            raise ValueError(f"{where}: @pytest.mark.{names[2]} size must be a number of "
                              f"GiB > 0, got {value!r}")
         min_gib = float(value)
     return GpuRequirement(count, min_gib)

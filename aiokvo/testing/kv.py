@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -11,7 +12,7 @@ from aiokvo._util import check_choice, check_int
 from aiokvo.errors import ConfigError
 from aiokvo.layout import CanonicalKVCaches, KVLayout
 
-__all__ = ["KVCaches", "make_kv_caches"]
+__all__ = ["KVCaches", "KVCachesFactory", "make_kv_caches"]
 
 _LAYOUTS: tuple[KVLayout, ...] = ("kv_first", "blocks_first")
 
@@ -53,6 +54,24 @@ class KVCaches:
             for layer in range(len(self.tensors))
             for i, j in zip(a, b, strict=True)
         )
+
+
+class KVCachesFactory(Protocol):
+    """The ``kv_caches`` fixture's type: :func:`make_kv_caches`, keywords as there."""
+
+    def __call__(
+        self,
+        *,
+        layers: int = ...,
+        blocks: int = ...,
+        block_size: int = ...,
+        kv_heads: int = ...,
+        head_dim: int = ...,
+        dtype: torch.dtype = ...,
+        device: str | torch.device = ...,
+        layout: KVLayout = ...,
+        seed: int = ...,
+    ) -> KVCaches: ...
 
 
 def make_kv_caches(

@@ -37,16 +37,20 @@ def loop_factory(name: str) -> LoopFactory | None:
 
 
 class LoopFactories:
-    """The hook implementation: ``names`` for every async test, both for ``both_loops``.
+    """The hook implementation: ``names`` for every async test, both loops for a test
+    marked with one of ``both_loops_markers`` (``aiokvo_both_loops``).
 
     A name whose loop is not installed is left out; if that leaves nothing,
     the stdlib loop stands in, so a missing uvloop never skips a test.
     """
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(
+        self, names: Sequence[str], *, both_loops_markers: Sequence[str] = ("aiokvo_both_loops",)
+    ) -> None:
         for name in names:
             loop_factory(name)  # raises for an unknown name
         self.names = tuple(dict.fromkeys(names))
+        self.both_loops_markers = tuple(both_loops_markers)
 
     def factories(self, names: Sequence[str]) -> dict[str, LoopFactory]:
         found = {name: f for name in names if (f := loop_factory(name)) is not None}
@@ -55,6 +59,6 @@ class LoopFactories:
     def pytest_asyncio_loop_factories(
         self, config: pytest.Config, item: pytest.Item
     ) -> Mapping[str, LoopFactory]:
-        if item.get_closest_marker("both_loops") is not None:
+        if any(item.get_closest_marker(name) for name in self.both_loops_markers):
             return self.factories(LOOP_NAMES)
         return self.factories(self.names)

@@ -1,18 +1,24 @@
 """aiokvo's pytest plugin (entry point ``pytest11: aiokvo``), for users' own suites.
 
-Loaded automatically wherever aiokvo is installed; ``-p no:aiokvo`` turns it
-off. What it adds (docs/testing.md has the walk-through):
+Loaded automatically wherever aiokvo is installed, so it claims nothing a
+project may define itself: its markers, ini options, command-line options
+and hooks are named ``aiokvo_*``, and it changes nothing about a test that
+does not use them. ``-p no:aiokvo`` turns it off. What it adds
+(docs/testing.md has the walk-through):
 
-* **Markers** ``gpu``, ``gpu(n)``, ``multi_gpu(n=2)``, ``min_gpu_memory(gib)``:
-  skip with a reason unless enough CUDA devices (with enough total memory)
-  are visible. Deciding never initialises CUDA in the test process
-  (:mod:`aiokvo.testing.gpu`); ``pytest_aiokvo_gpus`` can supply the
-  inventory instead.
+* **Markers** ``aiokvo_gpu``, ``aiokvo_gpu(n)``, ``aiokvo_multi_gpu(n=2)``,
+  ``aiokvo_min_gpu_memory(gib)``: skip with a reason unless enough CUDA
+  devices (with enough total memory) are visible. Deciding never initialises
+  CUDA in the test process (:mod:`aiokvo.testing.gpu`); ``pytest_aiokvo_gpus``
+  can supply the inventory instead. A project that has no markers of those
+  names itself may opt in to the short names (``gpu``, ``multi_gpu``,
+  ``min_gpu_memory``, ``both_loops``) with ``aiokvo_markers = short`` in its
+  ini file (aiokvo's own suite does).
 * **Event loops**, opt-in per project: ``aiokvo_loop_factories = uvloop
   asyncio`` in the ini file (or ``--aiokvo-loops=uvloop,asyncio``) runs each
   async test on those loops through pytest-asyncio's
-  ``pytest_asyncio_loop_factories`` hook; ``@pytest.mark.both_loops`` runs
-  one test on both. Without the option the plugin leaves the loop alone.
+  ``pytest_asyncio_loop_factories`` hook; ``@pytest.mark.aiokvo_both_loops``
+  runs one test on both. Without the option the plugin leaves the loop alone.
 * **Fixtures**: ``kv_caches`` (a factory of engine-shaped KV caches, CPU or
   GPU), ``fake_cuda_driver`` (the CUDA backend without a GPU),
   ``disk_tier_path`` (an owner-only directory for a disk tier),
@@ -22,7 +28,11 @@ off. What it adds (docs/testing.md has the walk-through):
   (open Offloaders, drained, checked for leaks and closed when the test
   ends; they need pytest-asyncio) and ``aiokvo_leak_check`` (fails the test
   if it left ``aiokvo-*`` threads running); the helpers
-  ``aiokvo.testing.drain`` and ``assert_no_leaks``.
+  ``aiokvo.testing.drain`` and ``assert_no_leaks``. A project's own fixture
+  of the same name wins (pytest prefers a conftest's fixtures to a plugin's).
+
+The ini options' values may end in a ``# comment`` (an ini line is copied
+from the docs with its comment more often than not).
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,13 +62,18 @@ if TYPE_CHECKING:
 
     from aiokvo.device.fake import FakeDriver
     from aiokvo.offloader import Offloader
-    from aiokvo.testing.kv import KVCaches
+    from aiokvo.testing.kv import KVCaches, KVCachesFactory
     from aiokvo.testing.mooncake import ClusterFactory
     from aiokvo.testing.offloaders import OffloaderFactory
 
 INI_LOOPS = "aiokvo_loop_factories"
-GPU_MARKERS = ("gpu", "multi_gpu", "min_gpu_memory")
+INI_MARKERS = "aiokvo_markers"
+MARKER_STYLES = ("namespaced", "short")
+GPU_MARKERS = ("aiokvo_gpu", "aiokvo_multi_gpu", "aiokvo_min_gpu_memory")
+SHORT_GPU_MARKERS = ("gpu", "multi_gpu", "min_gpu_memory")
+BOTH_LOOPS = "aiokvo_both_loops"
 _INVENTORY = pytest.StashKey[GpuInventory]()
+_SHORT = pytest.StashKey[bool]()
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -71,6 +86,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="event loops every async test runs on (uvloop, asyncio); empty: leave "
         "pytest-asyncio's default loop alone",
     )
+    parser.addini(
+        INI_MARKERS, type="args", default=["namespaced"],
+        help="'namespaced' (default): aiokvo's markers are aiokvo_gpu, aiokvo_multi_gpu, "
+        "aiokvo_min_gpu_memory, aiokvo_both_loops; 'short': also gpu, multi_gpu, "
+        "min_gpu_memory, both_loops (for projects that define no such markers)",
+    )
     group = parser.getgroup("aiokvo")
     group.addoption(
         "--aiokvo-loops", metavar="NAMES", default=None,
@@ -79,24 +100,52 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def ini_words(config: pytest.Config, name: str) -> list[str]:
+    """An ``args`` ini option's words, up to a ``#`` comment (pytest would keep it)."""
+    words: list[str] = []
+    for word in config.getini(name):
+        if word.startswith("#"):
+            break
+        words.append(word)
+    return words
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    for line in (
-        "gpu(n=1): needs n CUDA devices; skipped with a reason otherwise",
-        "multi_gpu(n=2): needs n CUDA devices; skipped with a reason otherwise",
-        "min_gpu_memory(gib): needs a CUDA device with at least gib GiB of memory",
-        "both_loops: run this async test on uvloop and on the stdlib loop "
-        f"(with {INI_LOOPS} set)",
-    ):
-        config.addinivalue_line("markers", line)
+    style = ini_words(config, INI_MARKERS)
+    if len(style) != 1 or style[0] not in MARKER_STYLES:
+        raise pytest.UsageError(
+            f"{INI_MARKERS} must be one of {', '.join(MARKER_STYLES)}, got {' '.join(style)!r}"
+        )
+    short = config.stash[_SHORT] = style[0] == "short"
+    if short:
+        # The project's own ini markers, registered before ours: a clash is its choice to fix.
+        own = {line.split(":")[0].split("(")[0].strip() for line in config.getini("markers")}
+        clash = sorted(own & {*SHORT_GPU_MARKERS, "both_loops"})
+        if clash:
+            raise pytest.UsageError(
+                f"{INI_MARKERS} = short, but the project registers {', '.join(clash)} itself; "
+                f"use aiokvo's aiokvo_* markers (remove {INI_MARKERS})"
+            )
+    prefixes = ("aiokvo_", "") if short else ("aiokvo_",)
+    for prefix in prefixes:
+        for line in (
+            "gpu(n=1): needs n CUDA devices; skipped with a reason otherwise",
+            "multi_gpu(n=2): needs n CUDA devices; skipped with a reason otherwise",
+            "min_gpu_memory(gib): needs a CUDA device with at least gib GiB of memory",
+            "both_loops: run this async test on uvloop and on the stdlib loop "
+            f"(with {INI_LOOPS} set)",
+        ):
+            config.addinivalue_line("markers", f"{prefix}{line} (aiokvo)")
     option = config.getoption("--aiokvo-loops")
     names = ([n.strip() for n in option.split(",") if n.strip()] if option is not None
-             else list(config.getini(INI_LOOPS)))
+             else ini_words(config, INI_LOOPS))
     if not names:
         return
     if not config.pluginmanager.hasplugin("asyncio"):
         raise pytest.UsageError(f"{INI_LOOPS} needs pytest-asyncio (>= 1.4), which is not loaded")
+    both = (BOTH_LOOPS, "both_loops") if short else (BOTH_LOOPS,)
     try:
-        factories = LoopFactories(names)
+        factories = LoopFactories(names, both_loops_markers=both)
     except ValueError as exc:
         raise pytest.UsageError(f"{INI_LOOPS}: {exc}") from None
     config.pluginmanager.register(factories, "aiokvo-loop-factories")
@@ -108,17 +157,20 @@ def pytest_aiokvo_gpus(config: pytest.Config) -> GpuInventory:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    marked = [item for item in items
-              if any(item.get_closest_marker(name) for name in GPU_MARKERS)]
+    groups = [GPU_MARKERS]
+    if config.stash.get(_SHORT, False):
+        groups.append(SHORT_GPU_MARKERS)
+    marked = [(item, names) for item in items for names in groups
+              if any(item.get_closest_marker(name) for name in names)]
     if not marked:
         return  # no probe at all for suites without GPU tests
     inventory = config.stash.get(_INVENTORY, None)
     if inventory is None:
         inventory = config.stash[_INVENTORY] = config.hook.pytest_aiokvo_gpus(config=config)
-    for item in marked:
-        args = [m.args if (m := item.get_closest_marker(name)) else None for name in GPU_MARKERS]
+    for item, names in marked:
+        args = [m.args if (m := item.get_closest_marker(name)) else None for name in names]
         try:
-            needed = requirement(args[0], args[1], args[2], item.nodeid)
+            needed = requirement(args[0], args[1], args[2], item.nodeid, names)
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
         reason = needed.unmet(inventory)
@@ -137,7 +189,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 
 
 @pytest.fixture
-def kv_caches() -> Callable[..., KVCaches]:
+def kv_caches() -> KVCachesFactory:
     """A factory of engine-shaped KV caches: ``kv_caches(layers=2, blocks=64, dtype=...)``.
 
     Keyword arguments as :func:`aiokvo.testing.kv.make_kv_caches` (also

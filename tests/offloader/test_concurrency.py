@@ -142,9 +142,9 @@ class Run:
 
 
 def check_store(result: StoreResult, ks: list[OffloadKey]) -> None:
-    """Every distinct key of the call is in exactly one of stored/skipped/failed."""
+    """Every distinct key of the call is in exactly one of stored/skipped/failed/refused."""
     distinct = list(dict.fromkeys(ks))
-    parts = [*result.stored, *result.skipped, *result.failed]
+    parts = [*result.stored, *result.skipped, *result.failed, *result.refused]
     assert sorted(parts) == sorted(distinct), "a key is missing or reported twice"
     assert not set(result.evicted) & set(distinct), "a key of the call was evicted by it"
 
@@ -219,5 +219,8 @@ async def test_random_concurrent_calls_with_cancellations_and_failures(
         await run_stress(poller_mode, coroutines)
         gc.collect()
     assert [str(w.message) for w in caught] == []
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    # A pool this small refuses stores under this load: said once, the first burst.
+    refusals = [m for m in warned if m.startswith("Offloader.store refused")]
+    assert len(refusals) <= 1 and warned == refusals
     assert unraisable == []

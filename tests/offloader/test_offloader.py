@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-from aiokvo import GPULoadStoreSpec, Offloader, PrefixLease, StoreResult
+from aiokvo import CPULoadStoreSpec, GPULoadStoreSpec, Offloader, PrefixLease, StoreResult
 from aiokvo.errors import (
     ConfigError,
+    InvalidKeyError,
+    InvalidSpecError,
     LeaseError,
     OffloaderClosedError,
     TransferSpecError,
@@ -120,10 +125,45 @@ async def test_a_pool_that_cannot_make_room_fails_the_store(setup: tuple[Offload
     lease = off.pin_prefix(held)  # pinned: nothing can be evicted
     assert lease is not None and lease.count == 8
     result = await off.store(keys("x"), [9])
-    assert result == StoreResult(failed=tuple(keys("x"))) and not result.ok
-    assert off.statistics().stores_refused == 1
+    assert result == StoreResult(refused=tuple(keys("x"))) and not result.ok
+    assert result.failed == ()  # no copy failed: there was no room to make one
+    s = off.statistics()
+    assert (s.stores_refused, s.blocks_store_refused, s.blocks_store_failed) == (1, 1, 0)
     lease.release()
     assert (await off.store(keys("x"), [9])).stored == tuple(keys("x"))
+    assert_idle(off)
+
+
+async def test_refused_stores_are_logged_once_per_burst_with_the_reason(
+    setup: tuple[Offloader, KV], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first burst is a WARNING naming the pool's numbers and where the sizing rule
+    is; later bursts are one INFO line each; stores inside a burst log nothing."""
+    off, kv = setup
+    held = keys(*"abcdefgh")
+    kv.write(range(8), held)
+    await off.store(held, range(8))
+    caplog.set_level(logging.INFO, logger="aiokvo.offloader")
+    lease = off.pin_prefix(held)
+    assert lease is not None
+    for name in "xyz":  # one burst of three refusals
+        assert (await off.store(keys(name), [9])).refused == tuple(keys(name))
+    records = [r for r in caplog.records if r.name.startswith("aiokvo.offloader")]
+    assert len(records) == 1 and records[0].levelno == logging.WARNING
+    message = records[0].getMessage()
+    assert "refused 1 key" in message
+    assert "CPU pool of 8 blocks" in message and "8 pinned" in message
+    assert "docs/tiers.md" in message
+    lease.release()
+    stored = await off.store(keys("x"), [9])  # the burst ends
+    assert stored.stored == tuple(keys("x"))
+    lease = off.pin_prefix([k for k in held if k not in stored.evicted] + keys("x"))
+    assert lease is not None and lease.count == 8
+    assert (await off.store(keys("y"), [10])).refused == tuple(keys("y"))  # a second burst
+    records = [r for r in caplog.records if r.name.startswith("aiokvo.offloader")]
+    assert [r.levelno for r in records] == [logging.WARNING, logging.INFO]
+    assert "refused 1 key" in records[1].getMessage()
+    lease.release()
     assert_idle(off)
 
 
@@ -415,6 +455,76 @@ async def test_bad_input_raises_typed_errors_before_any_state_changes(
         Offloader({"cpu_bytes_to_use": 1}, kv.caches)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="max_buffered"):
         Offloader(kv.config(4), kv.caches, max_buffered=-1)
+    assert_idle(off)
+
+
+async def test_a_bare_key_is_refused_wherever_a_list_of_keys_is_taken(
+    setup: tuple[Offloader, KV], copies: Copies
+) -> None:
+    """A key is bytes, so iterating one yields ints: ``ready(key)`` used to return at
+    once while that very key was being written."""
+    off, kv = setup
+    (a,) = keys("a")
+    store = await _store_in_flight(off, kv, copies, [a], [0])
+    assert off.statistics().writing_keys == 1
+    with pytest.raises(InvalidKeyError, match=r"Offloader.ready takes a list of keys, got a bare"):
+        await off.ready(a)
+    with pytest.raises(InvalidKeyError, match=r"Offloader\.ready: 7 is not an OffloadKey"):
+        await off.ready([7])  # type: ignore[list-item]
+    with pytest.raises(InvalidKeyError, match=r"Offloader\.load_prefix takes a list of keys"):
+        await off.load_prefix(a, [1])
+    with pytest.raises(InvalidKeyError, match=r"Offloader\.store takes a list of keys"):
+        await off.store(a, [1])
+    with pytest.raises(InvalidKeyError, match=r"Offloader\.pin_prefix takes a list of keys"):
+        off.pin_prefix(a)
+    assert not store.done()  # nothing above waited for, or touched, the store in flight
+    copies.gate.set()
+    assert (await store).stored == (a,)
+    await off.ready((a,))  # a tuple is a list of keys
+    assert_idle(off)
+
+
+async def test_one_gpu_block_named_twice_in_a_load_is_refused(
+    setup: tuple[Offloader, KV],
+) -> None:
+    off, kv = setup
+    ks = keys("a", "b", "c")
+    kv.write([0, 1, 2], ks)
+    await off.store(ks, [0, 1, 2])
+    before = off.statistics().manager
+    with pytest.raises(TransferSpecError, match=r"GPU block 5 .* twice"):
+        await off.load_prefix(ks, [4, 5, 5])
+    with pytest.raises(TransferSpecError, match=r"GPU block 5 .* twice"):
+        await off.load_prefix(ks, np.array([5, 4, 5]))
+    with pytest.raises(TransferSpecError, match=r"GPU block 6 .* twice"):
+        await off.load_prefix(ks, GPULoadStoreSpec([6, 7, 6], [3], [0]))
+    assert off.statistics().manager == before  # refused before anything was pinned
+    lease = off.pin_prefix(ks)
+    assert lease is not None
+    with pytest.raises(TransferSpecError, match="twice"):
+        await lease.load_into([8, 8, 9])
+    assert await lease.load_into([8, 9, 10]) == 3
+    result = await off.store(keys("d", "e"), [3, 3])  # reading one block twice is harmless
+    assert result.stored == tuple(keys("d", "e"))
+    assert_idle(off)
+
+
+@pytest.mark.parametrize("ids", [[0, True], [False, 1], (0, True)])
+async def test_a_bool_among_block_ids_is_refused(
+    setup: tuple[Offloader, KV], ids: Any
+) -> None:
+    off, kv = setup
+    ks = keys("a", "b")
+    kv.write([0, 1], ks)
+    with pytest.raises(TransferSpecError, match="bool"):
+        await off.store(ks, ids)
+    with pytest.raises(TransferSpecError, match="bool"):
+        await off.load_prefix(ks, ids)
+    with pytest.raises(InvalidSpecError, match="bool"):
+        GPULoadStoreSpec(list(ids), [2], [0])
+    with pytest.raises(InvalidSpecError, match="bool"):
+        CPULoadStoreSpec(list(ids))
+    assert off.statistics().stores == 0 or off.statistics().blocks_stored == 0
     assert_idle(off)
 
 

@@ -3,7 +3,10 @@ its counters agree with the tier's, and a promotion it cannot start leaks nothin
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+import pytest
 
 from tests.tiers.disk._util import KV, FaultyIO, fill, is_disk_tier, keys, offloader
 
@@ -54,3 +57,31 @@ async def test_a_promotion_the_pool_has_no_room_for_is_counted_and_leaks_nothing
         stats = off.statistics()
         assert stats.promotions_no_room == 1 and stats.tiers[0].blocks_read == 4
         assert stats.manager.pinned_blocks == 0 and stats.writing_keys == 0
+
+
+async def test_refusals_under_write_through_warn_once_naming_the_write_limit(
+    disk_tier_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Write-through pins what it writes (up to half the pool by default): a pool sized
+    for the stores alone then refuses, and the warning says what the pool needs."""
+    kv = KV()
+    io = FaultyIO()
+    io.write_gate.clear()  # the disk holds every write: its pins stay
+    async with offloader(kv, disk_tier_path, cpu_blocks=8, file_io=io) as off:
+        caplog.set_level(logging.INFO, logger="aiokvo.offloader")
+        first = keys("first", 4)
+        kv.write([0, 1, 2, 3], first)
+        assert (await off.store(first, [0, 1, 2, 3])).ok  # written through: 4 pinned
+        second = keys("second", 5)
+        kv.write([4, 5, 6, 7, 8], second)
+        result = await off.store(second, [4, 5, 6, 7, 8])  # 4 evictable, 5 needed
+        assert result.refused == tuple(second) and not result.failed
+        (record,) = [r for r in caplog.records if r.name == "aiokvo.offloader"]
+        assert record.levelno == logging.WARNING
+        message = record.getMessage()
+        assert "CPU pool of 8 blocks" in message
+        assert "4 by tier write-through in flight, which may pin up to 4" in message
+        assert "(requests in flight x blocks per request) + 4 blocks" in message
+        io.write_gate.set()
+        await off.drain()
+        assert (await off.store(second, [4, 5, 6, 7, 8])).ok  # the pins are gone

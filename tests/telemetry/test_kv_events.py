@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
@@ -317,3 +318,32 @@ async def test_a_port_in_use_fails_start_and_leaks_no_socket() -> None:
         store(manager, [key(0)])  # the failed publisher did not subscribe
         await first.flush()
         assert first.statistics().events_sent == 1
+
+
+async def test_start_says_once_at_info_whether_it_bound_or_connects(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A host address connects (vLLM's rule) and publishes to nobody unless someone binds
+    there: the first docstring line, one INFO line and the statistics all say which."""
+    first_line = (KVEventPublisher.__doc__ or "").splitlines()[0]
+    assert "BINDS" in first_line and "CONNECTS" in first_line
+    caplog.set_level(logging.INFO, logger="aiokvo.telemetry.kv_events")
+    manager = CPUOffloadingManager(4)
+    async with KVEventPublisher(manager, LOOPBACK, replay_endpoint=LOOPBACK) as bound:
+        stats = bound.statistics()
+        assert stats.pub_mode == "bind" and stats.pub_endpoint == bound.endpoint
+        assert not stats.pub_endpoint.endswith(":0")  # the port actually bound
+        connect_to = "tcp://127.0.0.1:" + bound.endpoint.rsplit(":", 1)[1]
+    async with KVEventPublisher(manager, connect_to) as connecting:
+        stats = connecting.statistics()
+        assert (stats.pub_mode, stats.pub_endpoint) == ("connect", connect_to)
+        store(manager, [key(0)])
+        await connecting.flush()
+    messages = [r.getMessage() for r in caplog.records if r.name == "aiokvo.telemetry.kv_events"]
+    assert len(messages) == 2 and all(
+        r.levelno == logging.INFO for r in caplog.records if r.name == "aiokvo.telemetry.kv_events"
+    )
+    assert messages[0].startswith(f"KV events: PUB bound to {bound.endpoint}")
+    assert f"replay ROUTER bound to {bound.replay_endpoint}" in messages[0]
+    assert messages[1].startswith(f"KV events: PUB connecting to {connect_to}")
+    assert "bind=True" in messages[1]

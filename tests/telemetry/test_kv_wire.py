@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+import random
+import struct
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from aiokvo.errors import ConfigError
+from aiokvo.errors import ConfigError, InvalidKeyError
 from aiokvo.keys import OffloadKey, make_offload_key
 from aiokvo.specs import BlockMetadata, OffloadingEvent, ReqContext
-from aiokvo.telemetry.kv_wire import EventBatch, EventTranslator, WireMedium
+from aiokvo.telemetry.kv_wire import EventBatch, EventTranslator, WireMedium, array_header
 from tests.telemetry import vllm_spec as spec
 
 ENCODER = msgspec.msgpack.Encoder()
@@ -273,3 +277,99 @@ def test_keys_of_mixed_or_short_lengths_still_publish_their_hashes() -> None:
     for keys in (short, mixed, short + mixed):
         (event,) = decode(EventTranslator(), OffloadingEvent(keys, "CPU", True)).events
         assert event.block_hashes == [spec.external_hash(block_hash(k)) for k in keys]
+
+
+def test_describe_refuses_a_bare_key() -> None:
+    """``describe(key, ...)`` would record each byte of the key as a key of its own."""
+    k = make_offload_key(b"h" * 8, 0)
+    translator = EventTranslator()
+    meta = BlockMetadata(token_ids=list(range(4 * len(k))), block_size=4)
+    with pytest.raises(InvalidKeyError, match="describe takes a list of keys, got a bare"):
+        translator.describe(k, meta)  # type: ignore[arg-type]
+    with pytest.raises(InvalidKeyError, match="describe: 3 is not an OffloadKey"):
+        translator.describe([3], meta)  # type: ignore[list-item]
+    assert translator.described == 0
+    translator.describe((k,), meta)
+    assert translator.described == 1
+
+
+# -- encode(): straight to msgpack, the same bytes as translate() + msgspec ------------
+
+
+def _random_key(rng: random.Random, hash_len: int, group: int, small: bool) -> OffloadKey:
+    digest = bytearray(rng.randbytes(hash_len))
+    if small and hash_len >= 8:
+        digest[-8:-4] = bytes(4)  # a hash below 2**32: msgpack writes it shorter
+    return make_offload_key(bytes(digest), group)
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32), encoding=st.sampled_from(["map", "array"]),
+       hash_format=st.sampled_from(["int", "bytes"]), describe=st.booleans())
+def test_encode_writes_exactly_what_msgspec_writes_for_the_translated_events(
+    seed: int, encoding: str, hash_format: str, describe: bool
+) -> None:
+    """Placeholders and removals take the numpy path; several groups in one event, short
+    and mixed-length keys, small hashes, described stores and fanned-out removals take
+    translate(): either way the bytes are msgspec's, event for event."""
+    rng = random.Random(seed)
+    fast = EventTranslator(encoding=encoding, hash_format=hash_format)  # type: ignore[arg-type]
+    slow = EventTranslator(encoding=encoding, hash_format=hash_format)  # type: ignore[arg-type]
+    items: list[object] = []
+    for _ in range(rng.randrange(1, 12)):
+        n = rng.choice([1, 3, 8, 20, 70, 150, 400])
+        hash_len = rng.choice([32, 32, 32, 16, 6])
+        groups = [rng.choice([0, 0, 0, 1, 7])] * n if rng.random() < 0.8 else [
+            rng.randrange(3) for _ in range(n)]
+        keys = [_random_key(rng, hash_len, g, rng.random() < 0.05) for g in groups]
+        if rng.random() < 0.1:
+            keys.append(_random_key(rng, 40, groups[0], False))  # a key of another length
+        removed = rng.random() < 0.4
+        if describe and not removed and rng.random() < 0.5 and len(set(groups)) == 1:
+            meta = BlockMetadata(token_ids=list(range(4 * len(keys))), block_size=4)
+            fast.describe(keys, meta)
+            slow.describe(keys, meta)
+        items.append(OffloadingEvent(keys, rng.choice(["CPU", "DISK", "MOONCAKE"]), removed))
+        if rng.random() < 0.1:
+            items.append(fast.all_cleared())
+    parts: list[bytes] = []
+    count = fast.encode(items, parts)  # type: ignore[arg-type]
+    expected: list[object] = []
+    for item in items:
+        if isinstance(item, msgspec.Struct):
+            expected.append(item)
+        else:
+            slow.translate(item, expected)  # type: ignore[arg-type]
+    assert count == len(expected)
+    assert b"".join(parts) == b"".join(ENCODER.encode(e) for e in expected)
+    assert fast.described == slow.described
+
+
+def test_encode_takes_the_numpy_path_for_a_large_plain_batch() -> None:
+    """(So the property test above compares the two paths, not one with itself.)"""
+    translator = EventTranslator()
+    events = [OffloadingEvent([key(i) for i in range(j * 100, j * 100 + 100)], "CPU", j % 2 == 1)
+              for j in range(4)]
+    parts: list[bytes] = []
+    assert translator.encode(events, parts) == 4
+    assert len(translator._templates) == 2  # one frame per kind, medium and group
+    structs: list[object] = []
+    for event in events:
+        translator.translate(event, structs)
+    assert parts == [ENCODER.encode(s) for s in structs]  # one part per event
+
+
+def test_the_publishers_batches_are_msgspecs_event_batches() -> None:
+    """The publisher writes the batch frame around the encoded events itself."""
+    from aiokvo.telemetry.kv_events import _batch_frame
+
+    translator = EventTranslator()
+    events = [OffloadingEvent([key(i) for i in range(30)], "CPU", False)]
+    for rank in (0, 3, None):
+        head, tail = _batch_frame(rank)
+        parts: list[bytes] = []
+        count = translator.encode(events, parts)
+        payload = head + struct.pack(">d", 1.25) + array_header(count) + b"".join(parts) + tail
+        structs: list[object] = []
+        translator.translate(events[0], structs)
+        assert payload == ENCODER.encode(EventBatch(1.25, structs, rank))

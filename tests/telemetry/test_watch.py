@@ -141,3 +141,22 @@ def test_bad_arguments_exit_with_a_usage_error(
         cli.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+async def test_watch_tells_a_user_pointed_at_a_connecting_publisher_what_is_wrong() -> None:
+    """``KVEventPublisher(m, "tcp://127.0.0.1:PORT")`` connects (vLLM's rule), and so
+    does ``watch --events`` at the same address: nothing ever arrives. The view says
+    why, and the publisher's statistics say which way it went."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    kv = KV(8)
+    async with Offloader(kv.config(8), kv.caches) as off, KVEventPublisher(off, endpoint) as pub:
+        stats = pub.statistics()
+        assert (stats.pub_mode, stats.pub_endpoint) == ("connect", endpoint)
+        out = io.StringIO()
+        assert await watch(events=endpoint, interval=0.2, duration=1.0, out=out) == 0
+    text = out.getvalue()
+    assert f"{endpoint}: nothing accepts connections there" in text, text
+    assert "'tcp://*:PORT' or bind=True" in text

@@ -44,16 +44,17 @@ def pytest_aiokvo_gpus(config):
 def test_markers_are_registered(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--markers")
     result.stdout.fnmatch_lines([
-        "@pytest.mark.gpu(n=1):*", "@pytest.mark.multi_gpu(n=2):*",
-        "@pytest.mark.min_gpu_memory(gib):*", "@pytest.mark.both_loops:*",
+        "@pytest.mark.aiokvo_gpu(n=1):*", "@pytest.mark.aiokvo_multi_gpu(n=2):*",
+        "@pytest.mark.aiokvo_min_gpu_memory(gib):*", "@pytest.mark.aiokvo_both_loops:*",
     ])
+    result.stdout.no_fnmatch_line("@pytest.mark.gpu(n=1):*")  # no short names by default
 
 
 def test_gpu_tests_run_or_skip_by_what_the_probe_finds(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("""
         import pytest
 
-        @pytest.mark.gpu
+        @pytest.mark.aiokvo_gpu
         def test_needs_a_gpu():
             pass
     """)
@@ -70,25 +71,25 @@ def test_requirements_are_checked_against_the_inventory(pytester: pytest.Pyteste
     pytester.makepyfile("""
         import pytest
 
-        @pytest.mark.gpu
+        @pytest.mark.aiokvo_gpu
         def test_one(): pass
 
-        @pytest.mark.gpu(2)
+        @pytest.mark.aiokvo_gpu(2)
         def test_two(): pass
 
-        @pytest.mark.multi_gpu
-        @pytest.mark.min_gpu_memory(8)
+        @pytest.mark.aiokvo_multi_gpu
+        @pytest.mark.aiokvo_min_gpu_memory(8)
         def test_two_of_8_gib(): pass
 
-        @pytest.mark.gpu(3)
+        @pytest.mark.aiokvo_gpu(3)
         def test_three(): pass
 
-        @pytest.mark.min_gpu_memory(24)
+        @pytest.mark.aiokvo_min_gpu_memory(24)
         def test_big(): pass
 
-        @pytest.mark.gpu
+        @pytest.mark.aiokvo_gpu
         class TestGroup:
-            @pytest.mark.multi_gpu(4)
+            @pytest.mark.aiokvo_multi_gpu(4)
             def test_four(self): pass
     """)
     result = pytester.runpytest("-rs")
@@ -107,12 +108,12 @@ def test_a_bad_marker_argument_stops_the_session_with_its_name(
     pytester.makepyfile("""
         import pytest
 
-        @pytest.mark.gpu("two")
+        @pytest.mark.aiokvo_gpu("two")
         def test_bad(): pass
     """)
     result = pytester.runpytest()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*test_bad: @pytest.mark.gpu count must be an int >= 1, "
+    result.stderr.fnmatch_lines(["*test_bad: @pytest.mark.aiokvo_gpu count must be an int >= 1, "
                                  "got 'two'*"])
 
 
@@ -130,7 +131,7 @@ def test_deciding_skips_loads_neither_torch_nor_cuda(pytester: pytest.Pytester) 
         import sys
         import pytest
 
-        @pytest.mark.gpu
+        @pytest.mark.aiokvo_gpu
         def test_gpu(): pass
 
         def test_nothing_loaded():
@@ -174,7 +175,7 @@ def test_both_loops_widens_one_test(pytester: pytest.Pytester) -> None:
 
 import pytest
 
-@pytest.mark.both_loops
+@pytest.mark.aiokvo_both_loops
 async def test_both():
     pass
 """)
@@ -262,6 +263,97 @@ def test_the_leak_check_fixture_fails_a_test_that_leaves_a_thread(
     result = pytester.runpytest()
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(["*threads still running: aiokvo-leaky*"])
+
+
+PROJECT_GPU_MARKER = """
+import pytest
+
+@pytest.mark.gpu("a100")            # the project's own marker, its own meaning
+def test_own_marker():
+    pass
+
+@pytest.mark.both_loops
+def test_own_both_loops():
+    pass
+
+@pytest.mark.min_gpu_memory
+def test_own_memory_marker():
+    pass
+"""
+
+
+def test_a_projects_own_gpu_markers_are_left_alone(pytester: pytest.Pytester) -> None:
+    """Installing aiokvo used to skip a project's @pytest.mark.gpu tests, or stop its
+    session with a UsageError when the marker's arguments were not aiokvo's."""
+    pytester.makeconftest("""
+        def pytest_configure(config):
+            for name in ("gpu", "both_loops", "min_gpu_memory"):
+                config.addinivalue_line("markers", f"{name}: the project's own")
+
+        def pytest_aiokvo_gpus(config):
+            raise AssertionError("aiokvo probed for a project's own marker")
+    """)
+    pytester.makepyfile(PROJECT_GPU_MARKER)
+    result = pytester.runpytest("-v", "--strict-markers")
+    result.assert_outcomes(passed=3)
+    assert result.ret == pytest.ExitCode.OK
+
+
+def test_the_short_marker_names_are_opt_in(pytester: pytest.Pytester) -> None:
+    pytester.makeini(ASYNC_INI.format(extra="aiokvo_markers = short  # gpu, both_loops, ..."))
+    pytester.makeconftest(TWO_GPUS_CONFTEST)
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.gpu(2)
+        def test_two(): pass
+
+        @pytest.mark.gpu(3)
+        def test_three(): pass
+
+        @pytest.mark.aiokvo_gpu(3)
+        def test_three_namespaced(): pass
+    """)
+    result = pytester.runpytest("-rs")
+    result.assert_outcomes(passed=1, skipped=2)
+    result.stdout.fnmatch_lines(["*needs 3 CUDA devices, found 2*"])
+
+
+def test_opting_in_to_short_names_the_project_registers_itself_is_refused(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makeini(ASYNC_INI.format(extra="aiokvo_markers = short\nmarkers =\n    gpu: ours"))
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*aiokvo_markers = short, but the project registers gpu "
+                                 "itself*"])
+
+
+def test_ini_values_may_end_in_a_comment(pytester: pytest.Pytester) -> None:
+    """docs/testing.md's ini line, copied with its comment, used to stop the session:
+    ``aiokvo_loop_factories: unknown event loop '#'``."""
+    pytester.makeini(ASYNC_INI.format(
+        extra="aiokvo_loop_factories = uvloop asyncio   # opt in: every async test on both"))
+    pytester.makepyfile(LOOP_REPORT)
+    result = pytester.runpytest("-s", "-v")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines_random(["*LOOP uvloop*", "*LOOP asyncio*"])
+
+
+def test_a_projects_own_fixture_of_the_same_name_wins(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest("""
+        import pytest
+
+        @pytest.fixture
+        def kv_caches():
+            return "the project's"
+    """)
+    pytester.makepyfile("""
+        def test_own(kv_caches):
+            assert kv_caches == "the project's"
+    """)
+    pytester.runpytest().assert_outcomes(passed=1)
 
 
 def test_the_plugin_can_be_turned_off(pytester: pytest.Pytester) -> None:

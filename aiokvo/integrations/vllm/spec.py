@@ -24,6 +24,7 @@ from vllm.v1.kv_offload.base import OffloadingSpec as VllmOffloadingSpec
 from aiokvo._util import check_choice, check_int
 from aiokvo.config import OffloadConfig
 from aiokvo.errors import ConfigError
+from aiokvo.integrations.vllm.extra_config import check_extra_config
 from aiokvo.integrations.vllm.failures import store_failures
 from aiokvo.integrations.vllm.manager import AiokvoOffloadingManager
 from aiokvo.integrations.vllm.metrics import metric_definitions, store_threshold
@@ -126,11 +127,11 @@ class AiokvoOffloadingSpec(VllmOffloadingSpec):  # type: ignore[misc]
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
-        return metric_definitions(extra_config)
+        return metric_definitions(check_extra_config(extra_config))  # the front end's check
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        extra = config.extra_config
+        extra = check_extra_config(config.extra_config)  # every key, before anything else
         unknown = sorted(k for k in extra if k.startswith("aiokvo_") and k not in AIOKVO_KEYS)
         if unknown:
             raise ConfigError(

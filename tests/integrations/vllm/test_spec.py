@@ -89,11 +89,16 @@ def test_every_stats_key_is_declared(threshold: int) -> None:
 
 
 @pytest.mark.parametrize(("extra", "match"), [
-    ({}, "cpu_bytes_to_use must be specified"),
-    ({"cpu_bytes_to_use": "lots"}, "cpu_bytes_to_use must be an integer, got 'lots'"),
+    ({}, r"\['cpu_bytes_to_use'\] must be given"),
+    ({"cpu_bytes_to_use": "lots"}, r"\['cpu_bytes_to_use'\] must be an integer .*, got 'lots'"),
     ({"cpu_bytes_to_use": 1 << 20, "aiokvo_loops": "pump"}, "unknown aiokvo keys"),
     ({"cpu_bytes_to_use": 1 << 20, "aiokvo_loop": "fast"}, "aiokvo_loop must be one of"),
-    ({"cpu_bytes_to_use": 1 << 20, "aiokvo_retries": -1}, "aiokvo_retries must be an int >= 0"),
+    ({"cpu_bytes_to_use": 1 << 20, "aiokvo_retries": -1},
+     r"\['aiokvo_retries'\] must be an integer 0\.\.100, got -1"),
+    ({"cpu_bytes_to_use": 1 << 20, "store_threshold": "two"},
+     r"\['store_threshold'\] must be an integer .*, got 'two'"),
+    ({"cpu_bytes_to_use": 1 << 20, "aiokvo_handler_options": {"copy_thread": 4}},
+     r"\['copy_thread'\] = 4: not a handler option"),
     ({"cpu_bytes_to_use": 1 << 20, "aiokvo_handler_options": 3}, "must be a mapping"),
     ({"cpu_bytes_to_use": 1 << 20, "cache_policy_module_path": "x"}, "cache_policy_module_path"),
     ({"cpu_bytes_to_use": 1 << 20, "eviction_policy": "mru"}, "unknown cache policy 'mru'"),
