@@ -453,6 +453,19 @@ GLUE: dict[tuple[str, str], Glue] = {
     ("docs/testing.md", "def test_two_replicas_share_blocks("): Glue(
         kind="pytest", expect={"passed": 1}, needs=("mooncake",),
     ),
+    # -- docs/policies.md ----------------------------------------------------------------
+    ("docs/policies.md", "async with TraceRecorder(\"traffic.jsonl\""): Glue(
+        template=_async(d(KV, """
+            os.chdir("{tmp}")
+            async with Offloader(config, kv) as offloader:
+                {block}
+        """), """
+            lines = open("{tmp}/traffic.jsonl").read().splitlines()
+            assert len(lines) == 1, lines  # the one request served in the block
+        """),
+        replace={"    ...                                 # serve traffic":
+                 "    await offloader.load_prefix(keys, [0, 1, 2, 3])  # serve traffic"},
+    ),
     # -- docs/tiers.md -------------------------------------------------------------------
     ("docs/tiers.md", "tiers=[tier]) as off:"): Glue(
         template=_async(d(KV, """
