@@ -36,6 +36,7 @@ EXTRA_CONFIG_KEYS: frozenset[str] = frozenset(
         "max_tracker_size",
         "recency",
         "store_counting",
+        "retention_fraction",
         "spec_name",
         "spec_module_path",
         "tiers",
@@ -99,6 +100,9 @@ class OffloadConfig:
     ``"offers"`` (vLLM 0.32's); see docs/manager.md."""
     enable_events: bool = False
     """Record the manager's events for ``take_events()``."""
+    retention_fraction: float = 0.25
+    """The share of the CPU pool ``Offloader.retain`` may hold at once (soft: retained
+    blocks are evicted last, never refusing a store); 0 turns retention off."""
     world_size: int = 1
     """Ranks whose KV goes into one CPU pool."""
     rank: int = 0
@@ -154,6 +158,12 @@ class OffloadConfig:
         check_choice("store_counting", self.store_counting, COUNTING_MODES)
         if not isinstance(self.enable_events, bool):
             raise ConfigError(f"enable_events must be a bool, got {self.enable_events!r}")
+        fraction: object = self.retention_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not (
+            0.0 <= fraction <= 1.0
+        ):  # fmt: skip
+            raise ConfigError(f"retention_fraction must be a number in [0, 1], got {fraction!r}")
+        object.__setattr__(self, "retention_fraction", float(fraction))
         self._int_field("world_size", minimum=1, maximum=MAX_WORLD_SIZE)
         if self.num_cpu_blocks > MAX_COUNT:
             raise ConfigError(
@@ -278,6 +288,9 @@ class OffloadConfig:
             max_tracker_size=parse_int("max_tracker_size", extra.get("max_tracker_size", 64_000)),
             recency=extra.get("recency", "touch"),
             store_counting=extra.get("store_counting", "lookups"),
+            retention_fraction=_parse_fraction(
+                "retention_fraction", extra.get("retention_fraction", 0.25)
+            ),
             enable_events=enable_events,
             world_size=world_size,
             rank=rank,
@@ -290,6 +303,18 @@ class OffloadConfig:
             ),
             tiers=tier_configs,
         )
+
+
+def _parse_fraction(key: str, value: object) -> float:
+    """A number in [0, 1], also from a numeric string (as vLLM's JSON config may give)."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"{key} must be a number in [0, 1], got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{key} must be a number in [0, 1], got {value!r}")
+    return float(value)
 
 
 def _parse_str(key: str, value: object) -> str:

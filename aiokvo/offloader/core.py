@@ -49,8 +49,10 @@ from aiokvo.handlers.worker import OffloadingWorker
 from aiokvo.keys import OffloadKey, check_keys, key_sequence
 from aiokvo.layout import CanonicalKVCaches, EngineKVCaches, KVLayout
 from aiokvo.manager.base import OffloadingManager
+from aiokvo.manager.retention import Retention
 from aiokvo.manager.sink import OverflowPolicy
 from aiokvo.offloader.blocks import GpuBlockIds, GpuBlocks, GpuGeometry
+from aiokvo.offloader.control import CacheControl, Retained
 from aiokvo.offloader.inflight import InFlight
 from aiokvo.offloader.lease import PrefixLease
 from aiokvo.offloader.refusals import PoolPressure, RefusalLog
@@ -158,6 +160,15 @@ class Offloader(AsyncResource):
         self._manager = manager
         self._worker = worker
         self._tiers = driver
+        pool = getattr(manager, "backing", None)
+        pool = pool if isinstance(pool, OffloadingManager) else manager
+        retention = None
+        set_retention = getattr(pool, "set_retention", None)
+        budget = int(config.num_cpu_blocks * config.retention_fraction)
+        if set_retention is not None and budget > 0:
+            retention = Retention(budget)
+            set_retention(retention)
+        self._control = CacheControl(self, driver, pool, retention, config.num_cpu_blocks)
         self._geometry = GpuGeometry(kv, spec.block_size_factor)
         self._ctx = ReqContext()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -308,6 +319,7 @@ class Offloader(AsyncResource):
         self._cpu_hit_blocks += (
             len(pinned) if tiers is None else tiers.count_hits(pinned, promotions or [])
         )
+        self._control.used(pinned)
         self._manager.touch(pinned)
         result = await self._wait(self._start_load(pinned, src, dst, None))
         return n if result.success else 0
@@ -339,6 +351,7 @@ class Offloader(AsyncResource):
             self._leases_made += 1
             self._hit_blocks += n
             self._cpu_hit_blocks += n
+            self._control.used(pinned)
         return lease
 
     # ---------------------------------------------------------------- stores
@@ -374,6 +387,7 @@ class Offloader(AsyncResource):
         reserved = out.keys_to_store
         evicted = tuple(out.evicted_keys)
         self._blocks_evicted += len(evicted)
+        self._control.evicted(evicted)
         later: list[list[OffloadKey]] | None = None
         if tiers is not None:
             admitted = tiers.offer(keys)
@@ -402,9 +416,7 @@ class Offloader(AsyncResource):
         copy = self._track(task)
         self._writing.update(dict.fromkeys(reserved, copy))
         self._stores_in_flight += 1
-        task.add_done_callback(
-            partial(self._store_done, reserved, out.reservation, copy, later)
-        )
+        task.add_done_callback(partial(self._store_done, reserved, out.reservation, copy, later))
         skipped: tuple[OffloadKey, ...] = ()
         if tail:
             skipped = tuple(keys[:start])
@@ -416,6 +428,63 @@ class Offloader(AsyncResource):
         if result.success:
             return StoreResult(stored=tuple(reserved), skipped=skipped, evicted=evicted)
         return StoreResult(skipped=skipped, evicted=evicted, failed=tuple(reserved))
+
+    # --------------------------------------------------------- cache control
+    async def prefetch(self, keys: Iterable[OffloadKey], *, deadline: float | None = None) -> int:
+        """Promote the longest prefix of ``keys`` found below the CPU pool into it; how
+        many leading keys are ready in the pool when it returns.
+
+        No GPU blocks are involved: a later ``load_prefix`` finds the keys in the
+        pool (or, if the promotion is still running, waits for it rather than
+        reading twice). Stores of the keys in flight are waited for first. Each
+        call's reads go to the least busy of the tiers' ``read_slots`` lanes, so a
+        slow request does not hold up another's; a miss below costs one lookup.
+        Returns by ``deadline`` seconds (None: each tier's ``io_timeout``), with
+        what is ready then; promotions still running land later (counted late).
+        Cancelling the call cancels only the wait. ``keys`` are one group.
+        """
+        return await self._control.prefetch(keys, deadline=deadline)
+
+    async def demote(self, keys: Iterable[OffloadKey]) -> int:
+        """Make sure ``keys`` are committed in the top tier, then free their CPU blocks;
+        how many blocks were freed.
+
+        Keys the tier does not hold are written to it first (past its admission
+        filter and write limit: the caller asked), stores of the keys in flight
+        are waited for, and keys a load is reading stay in the pool. A paused
+        conversation gives its pool room back and comes back from the tier.
+        Needs a tier (ConfigError otherwise).
+        """
+        return await self._control.demote(keys)
+
+    def retain(self, keys: Iterable[OffloadKey], *, priority: int = 0, ttl: float) -> Retained:
+        """Retain ``keys`` softly for ``ttl`` seconds: the pool evicts every other block
+        first, lower ``priority`` before higher, and never refuses a store for them.
+
+        Retention is bounded by ``config.retention_fraction`` of the pool (a new
+        retention past it displaces lower-priority, then older, ones) and works
+        under every eviction policy. Keys need not be stored yet. Returns a
+        :class:`~aiokvo.offloader.control.Retained`: ``release()`` it, or use it
+        with ``with`` / ``async with``.
+        """
+        return self._control.retain(keys, priority=priority, ttl=ttl)
+
+    async def durable(
+        self,
+        keys: Iterable[OffloadKey],
+        tier: Tier | str | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Return once ``keys`` are committed in ``tier`` (a tier or its medium; None:
+        the lowest), so another replica can read them; how many are.
+
+        Stores in flight and writes to that tier are waited for; keys in the CPU
+        pool the tier lacks (not admitted, or cut by the write limit) are written
+        now. Keys neither in the pool nor in the tier cannot be made durable and
+        are not counted. After ``timeout`` seconds it returns what is committed
+        then (counted); cancelling it cancels only the wait.
+        """
+        return await self._control.durable(keys, tier, timeout)
 
     async def ready(self, keys: Iterable[OffloadKey]) -> None:
         """Return once none of ``keys`` is being written by a store of this Offloader.
@@ -528,6 +597,7 @@ class Offloader(AsyncResource):
             promotions_no_room=0 if tiers is None else tiers.promotions_no_room,
             tier_writes_skipped=0 if tiers is None else tiers.writes_skipped,
             tiers=() if tiers is None else tiers.statistics(),
+            control=self._control.statistics(),
             manager=self._manager.statistics(),
             worker=self._worker.statistics(),
             poller=None if poller is None else poller.statistics(),
@@ -726,6 +796,10 @@ class Offloader(AsyncResource):
             write_limit=0 if self._tiers is None else self._tiers.write_limit,
             stores_in_flight=self._stores_in_flight,
         )
+
+    def _evicted(self, keys: Sequence[OffloadKey]) -> None:
+        """The pool evicted ``keys`` for a promotion (stores report theirs inline)."""
+        self._control.evicted(keys)
 
     def _report(self, call: str, error: Exception) -> None:
         loop = self._loop or asyncio.get_running_loop()

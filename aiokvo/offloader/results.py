@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from aiokvo.handlers.stats import WorkerStatistics
 from aiokvo.keys import OffloadKey
 from aiokvo.manager.stats import ManagerStatistics
+from aiokvo.offloader.control import ControlStatistics
 from aiokvo.runtime.poller import PollerStatistics
 from aiokvo.tiers.base import TierStatistics
 
@@ -124,6 +125,8 @@ class OffloaderStatistics:
     tiers: tuple[TierStatistics, ...] = ()
     """Each tier's own snapshot (its reads are the promotions, its writes the
     write-through), top first."""
+    control: ControlStatistics = field(default_factory=ControlStatistics)
+    """What ``prefetch``, ``demote``, ``retain`` and ``durable`` did."""
     manager: ManagerStatistics
     """The CPU pool's manager."""
     worker: WorkerStatistics

@@ -65,6 +65,8 @@ class TierOwner(Protocol):
 
     def _report(self, call: str, error: Exception) -> None: ...
 
+    def _evicted(self, keys: Sequence[OffloadKey]) -> None: ...
+
 
 class Promotion:
     """One promotion in flight: ``reserved`` keys read from ``tier`` into the CPU pool."""
@@ -78,9 +80,11 @@ class Promotion:
         self.good: list[OffloadKey] = []
 
 
-def positions(keys: list[OffloadKey], blocks: GpuBlocks, lo: int, hi: int) -> list[OffloadKey]:
+def positions(
+    keys: list[OffloadKey], blocks: GpuBlocks | None, lo: int, hi: int
+) -> list[OffloadKey]:
     """The keys at prefix positions ``[lo, hi)`` of every group, group by group."""
-    if blocks.num_groups == 1:
+    if blocks is None or blocks.num_groups == 1:
         return keys[lo:hi]
     found: list[OffloadKey] = []
     for start, stop in blocks.group_key_ranges():
@@ -114,6 +118,8 @@ class TierDriver:
             t: getattr(t, "max_write_blocks", 0) or max(1, pool_blocks // 2) for t in tiers
         }
         self._pinned_by_writes = dict.fromkeys(self.tiers, 0)
+        # key -> its write in flight to each tier (durable and demote wait for it)
+        self._writes: dict[Tier, dict[OffloadKey, InFlight]] = {t: {} for t in self.tiers}
         self._pool_blocks = pool_blocks
         self._opening: asyncio.Future[None] | None = None
         self.opened = False
@@ -154,12 +160,14 @@ class TierDriver:
     async def promote(
         self,
         keys: list[OffloadKey],
-        blocks: GpuBlocks,
+        blocks: GpuBlocks | None,
         lo: int,
         hi: int,
         ctx: ReqContext,
         *,
         held: int = 0,
+        timeout: float | None = None,
+        started: list[Promotion] | None = None,
     ) -> list[Promotion] | None:
         """Read the tiers' blocks at positions ``[lo, hi)`` into the CPU pool, and wait.
 
@@ -167,11 +175,15 @@ class TierDriver:
         promoted than the pool can hold next to the ``held`` keys the load
         pinned (a prefix loads whole or not at all); a tier's keys the pool has
         no room for (counted in ``promotions_no_room``), or that the tier will
-        not read, end the prefix, with nothing left reserved. Returns the promotions
-        started; they may still be running if a tier's deadline passed (they
-        complete themselves later).
+        not read, end the prefix, with nothing left reserved. ``blocks`` None:
+        ``keys`` are one group. Waits up to ``timeout`` (default: the slowest
+        tier's ``io_timeout``), then returns None if a promotion is still
+        running (it completes itself later), else the promotions started. Each
+        is also appended to ``started`` as it starts, so a caller cancelled
+        meanwhile still knows them.
         """
-        started: list[Promotion] = []
+        if started is None:
+            started = []
         room = self._pool_blocks - held
         cursor = lo
         for tier in self.tiers:
@@ -193,6 +205,8 @@ class TierDriver:
             if out is None:  # no room (others' pins, stores in flight): the prefix ends here
                 self.promotions_no_room += 1
                 break
+            if out.evicted_keys:
+                self._owner._evicted(out.evicted_keys)
             if out.keys_to_store:  # else another load or store brought them in meanwhile
                 promotion = self._start(tier, out)
                 if promotion is None:
@@ -200,7 +214,8 @@ class TierDriver:
                 started.append(promotion)
             cursor += found
         if started:
-            timeout = max(p.tier.io_timeout for p in started)
+            if timeout is None:
+                timeout = max(p.tier.io_timeout for p in started)
             _, pending = await asyncio.wait([p.copy.ended() for p in started], timeout=timeout)
             self.promotion_timeouts += len(pending)
             if pending:
@@ -287,25 +302,29 @@ class TierDriver:
             if now:
                 self.write(tier, now)
 
-    def write(self, tier: Tier, keys: list[OffloadKey]) -> None:
-        """Pin ``keys`` (ready in the CPU pool) and write them to ``tier``."""
+    def write(self, tier: Tier, keys: list[OffloadKey], *, asked: bool = False) -> InFlight | None:
+        """Pin ``keys`` (ready in the CPU pool) and write them to ``tier``; the copy.
+
+        ``asked``: a caller asked for these keys (``demote``, ``durable``), so the
+        write-through limit does not cut them (they are freed or waited for).
+        """
         pinned = self._pinned_by_writes[tier]
         room = self._limit[tier] - pinned
-        if pinned and len(keys) > room:  # with none in flight, a whole store goes
+        if pinned and len(keys) > room and not asked:  # with none in flight, a whole store goes
             self.writes_skipped += len(keys) - max(room, 0)
             keys = keys[: max(room, 0)]
             if not keys:
-                return
+                return None
         owner = self._owner
         store = tier.prepare_store(keys)
         if store is None:
-            return
+            return None
         manager = owner._manager
         try:
             src = manager.prepare_load(store.keys, self._ctx)
         except (UnknownKeyError, BlockNotReadyError) as exc:  # evicted or rewritten meanwhile
             self._end_store(tier, store, _failed(exc))
-            return
+            return None
         try:
             task = owner._worker.transfer_async(owner._job(), (src, store.spec))
         except BaseException as exc:
@@ -314,11 +333,17 @@ class TierDriver:
             if not isinstance(exc, Exception):
                 raise
             owner._report(f"{tier.medium} write", exc)
-            return
+            return None
         copy = owner._track(task)
         copy.patience = tier.io_timeout  # a tier transfer: bounded by its deadline
         self._pinned_by_writes[tier] += len(store.keys)
+        self._writes[tier].update(dict.fromkeys(store.keys, copy))
         task.add_done_callback(partial(self._write_done, tier, store, copy))
+        return copy
+
+    def writing(self, tier: Tier, key: OffloadKey) -> InFlight | None:
+        """``key``'s write in flight to ``tier``, if any."""
+        return self._writes[tier].get(key)
 
     def _write_done(self, tier: Tier, store: TierStore, copy: InFlight, task: TransferTask) -> None:
         owner = self._owner
@@ -334,6 +359,10 @@ class TierDriver:
         finally:
             owner._copies.pop(result.job_id, None)
             self._pinned_by_writes[tier] -= len(store.keys)
+            writes = self._writes[tier]
+            for key in store.keys:
+                if writes.get(key) is copy:
+                    del writes[key]
             copy.finish(result)
 
     def _end_store(self, tier: Tier, store: TierStore, result: TransferResult) -> None:
@@ -356,10 +385,10 @@ class TierDriver:
 
 
 def _group_slices(
-    keys: list[OffloadKey], blocks: GpuBlocks, lo: int, hi: int
+    keys: list[OffloadKey], blocks: GpuBlocks | None, lo: int, hi: int
 ) -> list[list[OffloadKey]]:
     """Each group's keys at positions ``[lo, hi)`` (groups without any left out)."""
-    if blocks.num_groups == 1:
+    if blocks is None or blocks.num_groups == 1:
         return [keys[lo:hi]]
     slices = []
     for start, stop in blocks.group_key_ranges():

@@ -58,7 +58,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from aiokvo._util import AsyncResource, check_int, field_docs
 from aiokvo.errors import ConfigError
 from aiokvo.events import Lagged
+from aiokvo.manager.retention import RetentionStatistics
 from aiokvo.manager.stats import ManagerStatistics
+from aiokvo.offloader.control import ControlStatistics
 from aiokvo.telemetry.stats import (
     Direction,
     TierTotals,
@@ -769,6 +771,9 @@ def _parts(out: _Builder, stats: Any) -> None:
         out.add("aiokvo_offloader_promotions_no_room_total", _int(stats, "promotions_no_room"))
         out.add("aiokvo_offloader_tier_writes_skipped_blocks_total",
                 _int(stats, "tier_writes_skipped"))
+        control = getattr(stats, "control", None)
+        if control is not None:
+            _control_fields(out, control)
     out.add("aiokvo_reuse_filtered_blocks_total", _int(manager, "reuse_filtered_blocks"))
     out.add("aiokvo_reuse_tracked_keys", _int(manager, "reuse_tracked_keys"))
     worker = getattr(stats, "worker", stats)
@@ -779,6 +784,30 @@ def _parts(out: _Builder, stats: Any) -> None:
         out.add("aiokvo_poller_pending", poller.pending)
         out.add("aiokvo_poller_threads", poller.active_threads)
         out.add("aiokvo_poller_callback_errors_total", poller.callback_errors)
+
+
+_RETENTION_GAUGES = frozenset({"budget_blocks", "retained_blocks", "retentions"})
+
+
+def _control_fields(out: _Builder, control: ControlStatistics) -> None:
+    """The cache-control counters, each field as ``aiokvo_control_<field>_total`` and
+    retention's as ``aiokvo_retention_<field>`` (gauges for what it holds now), with
+    the fields' own docs as help: a field added there is exported with no edit here."""
+    docs = field_docs(ControlStatistics)
+    for f in fields(ControlStatistics):
+        value = getattr(control, f.name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            out.add_dynamic("counter", f"aiokvo_control_{f.name}_total",
+                            docs.get(f.name, f.name), (), value)  # fmt: skip
+    retention = control.retention
+    if retention is None:
+        return
+    docs = field_docs(RetentionStatistics)
+    for f in fields(RetentionStatistics):
+        gauge = f.name in _RETENTION_GAUGES
+        metric = f"aiokvo_retention_{f.name}" if gauge else f"aiokvo_retention_{f.name}_total"
+        out.add_dynamic("gauge" if gauge else "counter", metric, docs.get(f.name, f.name),
+                        (), getattr(retention, f.name))  # fmt: skip
 
 
 def _int(obj: object, name: str) -> int | None:
@@ -904,11 +933,16 @@ def totals_from_text(text: str, *, at: float | None = None) -> Totals:
     """
     tiers: dict[str, dict[str, Any]] = {}
     ways: dict[tuple[str, str], dict[str, float]] = {}
+    control: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, sample.value
             medium = labels.get("medium")
             if medium is None:
+                if name.startswith(("aiokvo_control_", "aiokvo_retention_")):
+                    key = name.removeprefix("aiokvo_").removeprefix("control_")
+                    key = key.removesuffix("_total")
+                    control[key] = control.get(key, 0.0) + value
                 continue
             if name in _TIER_SAMPLES:
                 fields = tiers.setdefault(medium, {})
@@ -942,6 +976,7 @@ def totals_from_text(text: str, *, at: float | None = None) -> Totals:
         at=time.monotonic() if at is None else at,
         tiers={m: TierTotals(medium=m, **f) for m, f in tiers.items()},
         transfers=transfers,
+        control=control,
     )
 
 

@@ -173,6 +173,9 @@ class Totals:
     at: float
     tiers: Mapping[str, TierTotals] = field(default_factory=dict)
     transfers: Mapping[tuple[Direction, str], TransferTotals] = field(default_factory=dict)
+    control: Mapping[str, float] = field(default_factory=dict)
+    """The cache-control counters by field (``prefetches``, ...; retention's as
+    ``retention_<field>``), from ``aiokvo_control_*`` / ``aiokvo_retention_*``."""
 
     def transfer(self, direction: Direction, medium: str) -> TransferTotals:
         """The totals one way for one medium (zeros when there were none)."""
@@ -374,6 +377,26 @@ def format_lines(tier_rates: Mapping[str, TierRates]) -> list[str]:
             parts.append(f"breaker {t.breaker_state}")
         lines.append("  ".join(parts))
     return lines
+
+
+def format_control(control: Mapping[str, float]) -> str | None:
+    """One plain line of the cache-control counters (None when nothing was asked)."""
+    c = {k: round(v) for k, v in control.items()}
+    asked = c.get("prefetches", 0) + c.get("demotions", 0) + c.get("durable_waits", 0)
+    if not asked and not c.get("retention_made", 0):
+        return None
+    parts = [
+        f"hints    prefetch {c.get('prefetches', 0)} (late {c.get('prefetches_late', 0)})",
+        f"blocks {c.get('prefetched_blocks', 0)} used {c.get('prefetch_used_blocks', 0)} "
+        f"wasted {c.get('prefetch_wasted_blocks', 0)}",
+        f"demoted {c.get('demoted_blocks', 0)}",
+        f"durable {c.get('durable_waits', 0)} (timeouts {c.get('durable_timeouts', 0)})",
+    ]
+    if "retention_budget_blocks" in c:
+        parts.append(
+            f"retained {c.get('retention_retained_blocks', 0)}/{c['retention_budget_blocks']}"
+        )
+    return "  ".join(parts)
 
 
 # -- helpers ------------------------------------------------------------------------

@@ -31,7 +31,14 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, TextIO
 
 from aiokvo.errors import ConfigError
-from aiokvo.telemetry.stats import TierRates, TierTotals, Totals, format_lines, rates
+from aiokvo.telemetry.stats import (
+    TierRates,
+    TierTotals,
+    Totals,
+    format_control,
+    format_lines,
+    rates,
+)
 
 __all__ = ["EventFeed", "MetricsFeed", "merge_totals", "watch"]
 
@@ -281,7 +288,11 @@ def merge_totals(first: Totals, *others: Totals) -> Totals:
             tiers[name] = replace(mine, **missing)
         for key, way in other.transfers.items():
             transfers.setdefault(key, way)
-    return Totals(at=first.at, tiers=tiers, transfers=transfers)
+    control = dict(first.control)
+    for other in others:
+        for name, value in other.control.items():
+            control.setdefault(name, value)
+    return Totals(at=first.at, tiers=tiers, transfers=transfers, control=control)
 
 
 # -- drawing ----------------------------------------------------------------------------
@@ -297,9 +308,14 @@ class _PlainView:
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def draw(self, elapsed: float, tier_rates: Mapping[str, TierRates], notes: list[str]) -> None:
+    def draw(
+        self, elapsed: float, tier_rates: Mapping[str, TierRates], notes: list[str],
+        control: str | None = None,
+    ) -> None:  # fmt: skip
         stamp = f"[{elapsed:7.1f}s]"
         lines = format_lines(tier_rates) or ([] if notes else ["(no tiers reported yet)"])
+        if control is not None:
+            lines.append(control)
         for line in lines:
             print(f"{stamp} {line}", file=self._out)
         for note in notes:
@@ -322,7 +338,10 @@ class _RichView:
     def __exit__(self, *exc: object) -> None:
         self._live.stop()
 
-    def draw(self, elapsed: float, tier_rates: Mapping[str, TierRates], notes: list[str]) -> None:
+    def draw(
+        self, elapsed: float, tier_rates: Mapping[str, TierRates], notes: list[str],
+        control: str | None = None,
+    ) -> None:  # fmt: skip
         from rich.console import Group
         from rich.table import Table
         from rich.text import Text
@@ -351,7 +370,10 @@ class _RichView:
                 "-" if r.evictions_per_s is None else f"{r.evictions_per_s:.0f}",
                 ", ".join(extra),
             )
-        parts: list[Any] = [table, *(Text(note, style="yellow") for note in notes)]
+        parts: list[Any] = [table]
+        if control is not None:
+            parts.append(Text(control))
+        parts.extend(Text(note, style="yellow") for note in notes)
         self._live.update(Group(*parts), refresh=True)
 
 
@@ -407,7 +429,8 @@ async def watch(
                 notes: list[str] = []
                 totals = await _sample(feeds, notes)
                 if totals is not None:
-                    view.draw(clock() - start, rates(previous, totals), notes)
+                    view.draw(clock() - start, rates(previous, totals), notes,
+                              format_control(totals.control))
                     previous = totals
                 elif notes:
                     view.draw(clock() - start, {}, notes)

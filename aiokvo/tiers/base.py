@@ -242,6 +242,11 @@ class Tier(ABC):
         """How many leading ``keys`` the tier holds ready (a remote tier may ask)."""
         return self.lookup_nowait(keys)
 
+    def committed(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """The ``keys`` (any order) the tier knows it holds committed now: what
+        ``durable`` and ``demote`` wait for. Counts nothing, asks no remote store."""
+        return [k for k in dict.fromkeys(keys) if self.lookup_nowait([k])]
+
     @abstractmethod
     def prepare_load(self, keys: Sequence[OffloadKey]) -> TierLoad | None:
         """Pin ``keys`` (a prefix :meth:`lookup` reported) for reading, or None."""

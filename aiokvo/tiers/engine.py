@@ -347,6 +347,12 @@ class StoreTier(Tier):
             return 0
         return core.lookup(keys, self._clock())
 
+    def committed(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        if self._closed or not self._opened:
+            return []
+        index, now = self.core.index, self._clock()
+        return [k for k in dict.fromkeys(keys) if index.lookup((k,), now)]
+
     async def lookup(self, keys: Sequence[OffloadKey]) -> int:
         """How many leading ``keys`` the tier holds (a remote store is asked, once per
         loop turn for every lookup of that turn, within ``lookup_timeout``)."""

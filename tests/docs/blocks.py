@@ -217,7 +217,8 @@ GLUE: dict[tuple[str, str], Glue] = {
         template=_async(KV, """
             async with Offloader(config, kv, tiers=tiers) as off:
                 assert (await off.store(keys, [0, 1, 2, 3])).ok
-            assert sum(t.blocks_written for t in off.statistics().tiers) == 8  # 4 blocks, to each tier
+            written = sum(t.blocks_written for t in off.statistics().tiers)
+            assert written == 8  # 4 blocks, to each tier
         """),
         replace={"/var/cache/aiokvo": "{tmp}/aiokvo", "10.0.0.5:50051": "{mooncake_master}"},
         needs=("mooncake",),
@@ -452,6 +453,15 @@ GLUE: dict[tuple[str, str], Glue] = {
     ),
     ("docs/testing.md", "def test_two_replicas_share_blocks("): Glue(
         kind="pytest", expect={"passed": 1}, needs=("mooncake",),
+    ),
+    ("docs/offloader.md", "n = await off.prefetch(keys, deadline=0.5)"): Glue(
+        template=_async(d(KV, """
+            async with Offloader(config, kv, tiers=[FaultyTier(capacity_blocks=64)]) as off:
+                assert (await off.store(keys, [0, 1, 2, 3])).ok
+                await off.drain()
+                {block}
+                assert n == 4 and off.statistics().control.demoted_blocks == 4
+        """), imports="from aiokvo.testing import FaultyTier"),
     ),
     # -- docs/policies.md ----------------------------------------------------------------
     ("docs/policies.md", "async with TraceRecorder(\"traffic.jsonl\""): Glue(

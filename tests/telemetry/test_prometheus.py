@@ -19,7 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from aiokvo import Offloader
 from aiokvo.errors import ConfigError
+from aiokvo.manager.retention import RetentionStatistics
 from aiokvo.manager.stats import ManagerStatistics
+from aiokvo.offloader.control import ControlStatistics
 from aiokvo.offloader.results import OffloaderStatistics
 from aiokvo.telemetry.prometheus import (
     METRICS,
@@ -81,7 +83,11 @@ async def test_a_real_scrape_reports_the_known_workload(
     # Every family in the exposition is one of the documented ones.
     names = {f.name for f in text_string_to_metric_families(text)}
     documented = {m.name.removesuffix("_total") for m in METRICS}
+    # ... or made from a documented field: the cache-control and retention counters.
+    documented |= {f"aiokvo_control_{f.name}" for f in dataclasses.fields(ControlStatistics)}
+    documented |= {f"aiokvo_retention_{f.name}" for f in dataclasses.fields(RetentionStatistics)}
     assert names <= documented
+    assert "aiokvo_control_prefetches" in names and "aiokvo_retention_budget_blocks" in names
     # The live view's reading of the same text agrees with the collector's own totals.
     back = totals_from_text(text)
     assert back.tiers["CPU"] == server.metrics.totals().tiers["CPU"]
