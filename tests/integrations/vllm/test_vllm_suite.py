@@ -20,11 +20,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import vllm
 
 from tests.integrations.vllm.vllm_suite.aiokvo_vllm_suite import VLLM_INTERNALS
 
 ROOT = Path(__file__).resolve().parents[3]
-SDIST = Path(os.environ.get("AIOKVO_VLLM_SDIST", ROOT / ".vllm-venv" / "sdist" / "vllm-0.32.0"))
+VERSION = ".".join(vllm.__version__.split("+")[0].split(".")[:3])
+SDIST = Path(os.environ.get("AIOKVO_VLLM_SDIST", Path(sys.prefix) / "sdist" / f"vllm-{VERSION}"))
 SUITES = ["tests/v1/kv_offload/cpu/test_manager.py",
           "tests/v1/kv_connector/unit/offloading_connector"]
 
