@@ -1,4 +1,4 @@
-"""vLLM 0.32's own offload tests, run against aiokvo's manager.
+"""vLLM's own offload tests (0.32; 0.33's manager tests), run against aiokvo's manager.
 
 ``make .vllm-venv`` unpacks the ``tests/`` of vLLM's source distribution at
 the pinned version into ``.vllm-venv/sdist/vllm-<version>/``. This test runs
@@ -22,13 +22,20 @@ from pathlib import Path
 import pytest
 import vllm
 
-from tests.integrations.vllm.vllm_suite.aiokvo_vllm_suite import VLLM_INTERNALS
+from tests.integrations.vllm.vllm_suite.aiokvo_vllm_suite import VLLM_033_LRU, VLLM_INTERNALS
 
 ROOT = Path(__file__).resolve().parents[3]
 VERSION = ".".join(vllm.__version__.split("+")[0].split(".")[:3])
 SDIST = Path(os.environ.get("AIOKVO_VLLM_SDIST", Path(sys.prefix) / "sdist" / f"vllm-{VERSION}"))
 SUITES = ["tests/v1/kv_offload/cpu/test_manager.py",
           "tests/v1/kv_connector/unit/offloading_connector"]
+# vLLM 0.33's connector unit tests build a VllmConfig for an accelerator and fail on
+# a CPU machine without aiokvo too ("Cannot access accelerator device when none is
+# available"); only its manager tests run here (docs/vllm.md).
+IS_033 = tuple(int(x) for x in VERSION.split(".")[:2]) >= (0, 33)
+if IS_033:
+    SUITES = SUITES[:1]
+MIN_PASSED = 37 if IS_033 else 590
 
 # The shape of facebook/opt-125m, vLLM's test default model: with it in a
 # local hub cache, ModelConfig resolves offline. No weights are involved.
@@ -70,8 +77,12 @@ def test_vllms_own_manager_and_connector_tests_pass_on_aiokvo(tmp_path: Path) ->
     summary = run.stdout.strip().splitlines()[-1]
     passed = int(re.search(r"(\d+) passed", summary).group(1))  # type: ignore[union-attr]
     deselected = int(re.search(r"(\d+) deselected", summary).group(1))  # type: ignore[union-attr]
-    assert passed >= 590 and "failed" not in summary, summary
+    assert passed >= MIN_PASSED and "failed" not in summary, summary
     # Every deselection is one of the listed vLLM-internals tests, reported with its reason.
     reported = re.findall(r"deselected \(vLLM internals: .*?\): \S+::(\S+)", run.stdout)
     assert len(reported) == deselected
-    assert {name.split("::")[-1].split("[")[0] for name in reported} == set(VLLM_INTERNALS)
+    names = {name.split("::")[-1].split("[")[0] for name in reported}
+    if IS_033:  # some of 0.32's listed tests are gone in 0.33; its LRU-rule tests are there
+        assert set(VLLM_033_LRU) <= names <= set(VLLM_INTERNALS)
+    else:
+        assert names == set(VLLM_INTERNALS) - set(VLLM_033_LRU)
