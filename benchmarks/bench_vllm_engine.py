@@ -11,7 +11,8 @@ throughput (prompt + generated tokens per second of ``generate``), time to
 first token p50/p99 (a round's requests all arrive at once, so TTFT
 includes their queueing), prefill tokens computed, tokens loaded from the
 pool (external prefix-cache hits: the recompute saved), preemptions, and
-the connector's lookup delays.
+vLLM's ``kv_offload_lookup_sync_delay_seconds`` histogram (``lookups_delayed``
+is its count, ``lookup_delay_mean_ms`` its mean).
 
 Configurations:
 
@@ -95,6 +96,7 @@ def main() -> None:
     ap.add_argument("--round-size", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--gpu-kv-tokens", type=int, default=4096)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
@@ -114,14 +116,15 @@ def main() -> None:
             names = list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))
             for name in names:
                 run = Run(model=str(model), workload=workload, spec=CONFIGS[name],
-                          gpu_kv_tokens=args.gpu_kv_tokens)
+                          gpu_kv_tokens=args.gpu_kv_tokens, max_num_seqs=args.max_num_seqs)
                 result = run_in_subprocess(run, Path(tmp) / name, timeout=3600)
                 rows[name].append(summarize(result, workload))
                 tokens.setdefault(name, result["tokens"])
                 print(f"  round {r} {name}: {json.dumps(rows[name][-1])}", flush=True)
     load = os.getloadavg()[0]
     print(f"\nvLLM engine, {args.requests} requests over {args.docs} prefixes of {args.prefix} "
-          f"tokens, GPU KV {args.gpu_kv_tokens} tokens, Llama hidden {args.hidden} x "
+          f"tokens (rounds of {args.round_size}, max_num_seqs {args.max_num_seqs}), GPU KV "
+          f"{args.gpu_kv_tokens} tokens, Llama hidden {args.hidden} x "
           f"{args.layers} layers; median of {args.rounds} alternated rounds; load average "
           f"{load:.1f} on {os.cpu_count()} CPUs")
     keys = list(next(iter(rows.values()))[0])
