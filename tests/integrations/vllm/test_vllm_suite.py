@@ -29,13 +29,16 @@ VERSION = ".".join(vllm.__version__.split("+")[0].split(".")[:3])
 SDIST = Path(os.environ.get("AIOKVO_VLLM_SDIST", Path(sys.prefix) / "sdist" / f"vllm-{VERSION}"))
 SUITES = ["tests/v1/kv_offload/cpu/test_manager.py",
           "tests/v1/kv_connector/unit/offloading_connector"]
-# vLLM 0.33's connector unit tests build a VllmConfig for an accelerator and fail on
-# a CPU machine without aiokvo too ("Cannot access accelerator device when none is
-# available"); only its manager tests run here (docs/vllm.md).
 IS_033 = tuple(int(x) for x in VERSION.split(".")[:2]) >= (0, 33)
-if IS_033:
-    SUITES = SUITES[:1]
-MIN_PASSED = 37 if IS_033 else 590
+MIN_PASSED = 565 if IS_033 else 590
+# With the CUDA wheel on a CPU machine (0.33 has no CPU build), some of vLLM 0.33's
+# connector tests cannot even build their config: VllmConfig refuses the hybrid KV
+# cache manager they enable without an accelerator platform, and one asks for a
+# device string. Those failures, and only those, are allowed there (docs/vllm.md).
+NO_ACCELERATOR_ERRORS = (
+    "E       pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig",
+    "E       RuntimeError: Invalid device string: ':0'",
+)
 
 # The shape of facebook/opt-125m, vLLM's test default model: with it in a
 # local hub cache, ModelConfig resolves offline. No weights are involved.
@@ -73,11 +76,19 @@ def test_vllms_own_manager_and_connector_tests_pass_on_aiokvo(tmp_path: Path) ->
         cwd=SDIST, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     tail = run.stdout[-3000:] + run.stderr[-2000:]
-    assert run.returncode == 0, tail
     summary = run.stdout.strip().splitlines()[-1]
     passed = int(re.search(r"(\d+) passed", summary).group(1))  # type: ignore[union-attr]
     deselected = int(re.search(r"(\d+) deselected", summary).group(1))  # type: ignore[union-attr]
-    assert passed >= MIN_PASSED and "failed" not in summary, summary
+    failed_match = re.search(r"(\d+) failed", summary)
+    failed = int(failed_match.group(1)) if failed_match else 0
+    assert passed >= MIN_PASSED, summary
+    if IS_033:
+        lines = run.stdout.splitlines()
+        environmental = sum(1 for line in lines if line.startswith(NO_ACCELERATOR_ERRORS))
+        assert failed == environmental, tail  # no failure of aiokvo's making
+        assert "error" not in summary, summary
+    else:
+        assert run.returncode == 0 and failed == 0, tail
     # Every deselection is one of the listed vLLM-internals tests, reported with its reason.
     reported = re.findall(r"deselected \(vLLM internals: .*?\): \S+::(\S+)", run.stdout)
     assert len(reported) == deselected
