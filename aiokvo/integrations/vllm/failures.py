@@ -35,6 +35,7 @@ serves wrong bytes either: the worker also refuses to load from the blocks
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import logging
@@ -96,6 +97,9 @@ class FailureLog:
                 os.unlink(path)
             self._open()
             self._map = mmap.mmap(self._fd, _HEADER, prot=mmap.PROT_READ)
+            # vLLM does not always shut its scheduler's connector down (an engine
+            # core ended by a signal exits without it): remove the file at exit too.
+            atexit.register(self.close)
 
     def _open(self) -> None:
         fd = open_private(self.path, how="either")
@@ -169,6 +173,8 @@ class FailureLog:
 
     def close(self) -> None:
         """Close the file; the owner also removes it, if the name is still its file."""
+        if self._owner:
+            atexit.unregister(self.close)
         view, self._map = self._map, None
         if self._fd < 0:
             return
