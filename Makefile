@@ -6,8 +6,13 @@ STAMP := $(VENV)/.installed
 
 VLLM_VENV := .vllm-venv
 VLLM_STAMP := $(VLLM_VENV)/.installed
-# The vLLM the integration is tested against (aiokvo[vllm] pins the same range).
+# The vLLM releases the integration is tested against (aiokvo[vllm] pins the same range):
+# 0.32 from its CPU build (the whole engine runs), 0.33 from its CUDA wheel installed
+# without dependencies next to the CPU torch (its scheduler and connector run; docs/vllm.md).
 VLLM_VERSION := 0.32.0
+VLLM033_VENV := .vllm033-venv
+VLLM033_STAMP := $(VLLM033_VENV)/.installed
+VLLM033_VERSION := 0.33.0
 
 .PHONY: demo test lint unit system-deps test-vllm bench bench-vllm bench-peer clean
 
@@ -43,8 +48,17 @@ $(VLLM_STAMP): scripts/vllm_venv.sh
 
 $(VLLM_VENV): $(VLLM_STAMP)
 
-test-vllm: $(VLLM_STAMP)
+$(VLLM033_STAMP): scripts/vllm_venv.sh
+	bash scripts/vllm_venv.sh $(VLLM033_VENV) $(VLLM033_VERSION)
+
+$(VLLM033_VENV): $(VLLM033_STAMP)
+
+# The whole suite on 0.32; on 0.33 all but the `system` tests, which run a whole
+# vllm.LLM engine and need a CPU build that 0.33 does not have.
+test-vllm: $(VLLM_STAMP) $(VLLM033_STAMP)
 	PYTHONPATH=$(CURDIR) AIOKVO_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/integrations/vllm
+	PYTHONPATH=$(CURDIR) AIOKVO_REQUIRE_VLLM=1 $(VLLM033_VENV)/bin/python -m pytest -q \
+		-m "not system" tests/integrations/vllm
 
 test: lint unit test-vllm
 
@@ -64,4 +78,4 @@ bench-vllm: $(VLLM_STAMP)
 	PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python benchmarks/bench_vllm.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM033_VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -140,7 +140,9 @@ class Submission:
 
 
 class _InFlight:
-    __slots__ = ("done", "error", "finished_at", "future", "job_id", "started_at", "submission")
+    __slots__ = (
+        "done", "error", "finished_at", "future", "job_id", "started_at", "submission", "task",
+    )
 
     def __init__(
         self,
@@ -156,6 +158,7 @@ class _InFlight:
         self.finished_at = 0.0
         self.done = False
         self.error: BaseException | None = None
+        self.task: TransferTask | None = None
 
 
 class SingleDirectionHandler(OffloadingHandler):
@@ -248,6 +251,7 @@ class SingleDirectionHandler(OffloadingHandler):
             poller = self._bind(loop)
         submission = self._submit(job_id, spec)
         entry = _InFlight(job_id, submission, loop.create_future(), time.perf_counter())
+        task = entry.task = TransferTask(job_id, entry.future)
         try:
             poller.add_callback(
                 submission.lane,
@@ -260,7 +264,7 @@ class SingleDirectionHandler(OffloadingHandler):
             raise
         self._live[job_id] = entry
         self._order.append(entry)
-        return TransferTask(job_id, entry.future)
+        return task
 
     async def wait(self, job_ids: Iterable[int]) -> None:
         futures = [self._live[j].future for j in job_ids if j in self._live]
@@ -354,7 +358,11 @@ class SingleDirectionHandler(OffloadingHandler):
             self._seconds += elapsed
         else:
             self._failed += 1
-        entry.future.set_result(result)
+        task = entry.task
+        if task is not None:
+            task._set_result(result)  # wakes its awaiters now, not an iteration later
+        else:
+            entry.future.set_result(result)
         self._report(result)
         if not self._live and self._drained is not None and not self._drained.done():
             self._drained.set_result(None)

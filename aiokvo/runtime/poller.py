@@ -61,7 +61,7 @@ from aiokvo.runtime.lanes import (
     NotifiedLane,
     assist,
 )
-from aiokvo.runtime.sources import CompletionSource
+from aiokvo.runtime.sources import CompletionSource, HostEvent
 
 __all__ = [
     "DEFAULT_POLLER_MODE",
@@ -140,6 +140,13 @@ class PollerStatistics:
     dropped_on_stop: int = 0
     """Callbacks never run because the loop closed (or was collected) while their
     sources were pending; closing the poller itself drops none."""
+
+
+def _done(source: CompletionSource) -> bool:
+    try:
+        return source.query()
+    except BaseException:
+        return True  # failed: done
 
 
 def resolve_poller_mode(mode: str | None = None) -> PollerMode:
@@ -321,6 +328,15 @@ class EventPoller:
                 if notified is None:
                     notified = self._notified[lane] = NotifiedLane(self, lane)
                 notified.queue.append((source, callback))
+                if len(notified.queue) == 1 and isinstance(source, HostEvent) and _done(source):
+                    # A host copy already done (made inline), first in its lane:
+                    # drained from the loop without a wake-up through its self-pipe.
+                    # (Device sources keep their notify: it is how they learn that
+                    # nobody waits on them any more.)
+                    if not notified.wake_pending:
+                        notified.wake_pending = True
+                        loop.call_soon(notified.drain)
+                    return
                 notify(notified.wake)
                 if self._fallback_handle is None and notified.queue:
                     self._fallback_handle = loop.call_later(_FALLBACK_POLL, self._fallback_poll)

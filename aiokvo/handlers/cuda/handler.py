@@ -20,8 +20,11 @@ transfer stay referenced until its completion event has fired; then
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -46,6 +49,9 @@ from aiokvo.layout import CanonicalKVCaches
 from aiokvo.plan import PointerPlan, RowSpace, TensorLike, TransferPlanner
 from aiokvo.runtime.poller import PollerMode
 from aiokvo.specs import TransferSpec
+
+_WAITER_RETURN_TIMEOUT = 5.0
+"""Seconds close waits for waiter threads to hand back finished transfers' handles."""
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +160,10 @@ class CudaOffloadingHandler(SingleDirectionHandler):
             self._setup_kernel()
         self._last_end: int | None = None
         self._in_flight: dict[int, _Transfer] = {}
+        # Transfers whose handles a waiter thread still holds (returned by that
+        # thread once it leaves cudaEventSynchronize); close waits for them.
+        self._held_by_waiters = 0
+        self._held_lock = threading.Lock()
         self.engine_counts: dict[EngineName, int] = {"dma": 0, "kernel": 0}
 
     # ---------------------------------------------------------------- setup
@@ -294,10 +304,14 @@ class CudaOffloadingHandler(SingleDirectionHandler):
                 clean = False
         if transfer.end is not None and transfer.end == self._last_end:
             self._last_end = None
+        with self._held_lock:
+            self._held_by_waiters += 1
         if source is not None and source.after_waiters(
             lambda: self._return_from_waiter(transfer, clean=clean)
         ):
             return  # a waiter thread is still inside cudaEventSynchronize on ``end``
+        with self._held_lock:
+            self._held_by_waiters -= 1
         self._return(transfer, clean=clean)
 
     def _return_from_waiter(self, transfer: _Transfer, *, clean: bool) -> None:
@@ -306,6 +320,9 @@ class CudaOffloadingHandler(SingleDirectionHandler):
             self._return(transfer, clean=clean)
         except (CudaError, KeyError):
             logger.exception("returning the CUDA handles of a finished transfer failed")
+        finally:
+            with self._held_lock:
+                self._held_by_waiters -= 1
 
     def _return(self, transfer: _Transfer, *, clean: bool) -> None:
         """Hand a transfer's pooled objects back (or destroy them if their state is unknown)."""
@@ -342,6 +359,19 @@ class CudaOffloadingHandler(SingleDirectionHandler):
 
     # ------------------------------------------------------------------ close
     async def _close_backend(self) -> None:
+        # A transfer can be reported (the loop's fallback poll saw its event done)
+        # while a waiter thread is still inside cudaEventSynchronize on it; that
+        # thread returns the handles when it leaves. Closing the pools first would
+        # leave those handles undestroyed: wait for it (it is leaving a call on a
+        # completed event), for a bounded time.
+        deadline = time.monotonic() + _WAITER_RETURN_TIMEOUT
+        while self._held_by_waiters and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        if self._held_by_waiters:
+            logger.error(
+                "closing %r while %d transfers' CUDA handles are still held by waiter threads",
+                self, self._held_by_waiters,
+            )
         errors: list[BaseException] = []
         for close in (
             self._streams.close,

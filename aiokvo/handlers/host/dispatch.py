@@ -135,6 +135,24 @@ class DispatchThread:
                 else:
                     self._cond.notify()
 
+    def run_now(self, work: Work, event: DispatchEvent) -> bool:
+        """Run ``work`` here, now, if nothing is queued or running; True if it ran.
+
+        For small jobs, whose thread hand-off (a wake-up, a GIL hand-over, a
+        wake-up back) costs more than the job: the caller does it itself, and
+        ``event`` is complete when this returns. False (nothing done) when an
+        earlier job is still queued or running: running this one first would
+        break submission order, so the caller then :meth:`submit` s it.
+        """
+        if self._busy or self._queue:
+            return False  # the common refusal, decided without the lock
+        with self._cond:
+            if self._busy or self._queue or self._shutdown:
+                return False
+            self._busy = True
+        self._execute((work, event, 0.0), inline=True)
+        return True
+
     def assist(self, patience: float) -> bool:
         """Run, here and in order, each queued job older than ``patience`` seconds
         that the thread has not claimed; True if any ran. For the loop thread."""

@@ -69,7 +69,7 @@ def make_host_handlers(
     :func:`~aiokvo.handlers.pool.region_pool`; the pair borrows the region;
     no tail room). ``options`` go to both handlers
     (``poller_mode``, ``max_buffered``, ``copy_threads``, ``copy_fn``,
-    ``inline_after``, ``split_min_bytes``).
+    ``inline_after``, ``inline_below_bytes``, ``split_min_bytes``).
     """
     check_host_caches(kv_caches)
     if region is None:

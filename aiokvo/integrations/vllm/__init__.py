@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import vllm
 
-from aiokvo.integrations.vllm._compat import SUPPORTED_VLLM, check_vllm_version
+from aiokvo.integrations.vllm._compat import SUPPORTED_VLLM, TESTED_VLLM, check_vllm_version
 
 check_vllm_version(vllm.__version__)
 
@@ -33,6 +33,7 @@ from aiokvo.integrations.vllm.worker import AiokvoOffloadingWorker, VllmWorkerSt
 __all__ = [
     "AIOKVO_KEYS",
     "SUPPORTED_VLLM",
+    "TESTED_VLLM",
     "AiokvoOffloadingManager",
     "AiokvoOffloadingSpec",
     "AiokvoOffloadingWorker",

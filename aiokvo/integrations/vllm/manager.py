@@ -1,4 +1,4 @@
-"""aiokvo's manager behind vLLM 0.32's ``OffloadingManager`` ABC: translation only.
+"""aiokvo's manager behind vLLM's ``OffloadingManager`` ABC (0.32, 0.33): translation only.
 
 Every decision is the wrapped aiokvo manager's, built with vLLM 0.32's rules
 (``recency="request"``, and ``counting="offers"`` when ``store_threshold >=
@@ -7,21 +7,29 @@ Every decision is the wrapped aiokvo manager's, built with vLLM 0.32's rules
 ``OffloadingEvent`` (``Medium.CPU``), the per-request context (vLLM's
 ``ReqContext`` carries an aiokvo one in its state), and the stats vLLM's
 Prometheus logger expects (:mod:`aiokvo.integrations.vllm.metrics`).
+
+On vLLM 0.33 it also answers ``config_info`` (``vllm:kv_offload_config_info``),
+releases the keys of a failed store with a ``metadata_only`` removal event
+(as 0.33's CPU manager does), and counts the orchestrator hints
+(``ReqContext.kv_hints``) it ignores; ``lock`` is vLLM's default (no lock):
+the manager is entered from the scheduler's thread only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
+from vllm.v1.kv_offload.base import Medium, RequestOffloadingContext
+from vllm.v1.kv_offload.base import OffloadingEvent as VllmOffloadingEvent
 from vllm.v1.kv_offload.base import OffloadingManager as VllmOffloadingManager
 from vllm.v1.kv_offload.base import PrepareStoreOutput as VllmPrepareStoreOutput
-from vllm.v1.kv_offload.base import RequestOffloadingContext
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from aiokvo.integrations.vllm._compat import has_metadata_only_events
 from aiokvo.integrations.vllm.convert import cpu_spec_to_vllm, event_to_vllm, lookup_result
 from aiokvo.integrations.vllm.failures import StoreFailures
 from aiokvo.integrations.vllm.metrics import (
@@ -29,6 +37,7 @@ from aiokvo.integrations.vllm.metrics import (
     CACHE_READ_USAGE,
     CACHE_USAGE,
     CACHE_WRITE_USAGE,
+    KV_HINTS_IGNORED,
     STORE_FAILURES,
     STORES_SKIPPED,
 )
@@ -41,6 +50,8 @@ from aiokvo.specs import ReqContext
 __all__ = ["AiokvoOffloadingManager"]
 
 _LOOKUP_CONTEXT = ReqContext()  # aiokvo's lookup reads no context; skip the per-key fetch
+_METADATA_ONLY = has_metadata_only_events(VllmOffloadingEvent)
+_CPU = Medium.CPU
 
 
 class _Request:
@@ -63,12 +74,20 @@ def _context(req_context: Any) -> ReqContext:
 class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
     """vLLM's manager interface over an aiokvo manager; see the module docstring.
 
-    ``store_failures`` is where this process's workers report stores that
-    failed for good (:mod:`aiokvo.integrations.vllm.failures`): their keys
-    are completed as failed, so they are never served.
+    ``store_failures`` is where the engine's workers, in any process, report
+    stores that failed for good (:mod:`aiokvo.integrations.vllm.failures`):
+    their keys are completed as failed, so they are never served.
+    ``config_info`` is the one series of ``vllm:kv_offload_config_info``.
     """
 
-    def __init__(self, manager: OffloadingManager, store_failures: StoreFailures) -> None:
+    def __init__(
+        self,
+        manager: OffloadingManager,
+        store_failures: StoreFailures,
+        *,
+        config_info: Mapping[str, Any] | None = None,
+        enable_events: bool = False,
+    ) -> None:
         if isinstance(manager, FilterReusedOffloadingManager):
             self._filter: FilterReusedOffloadingManager | None = manager
             core = manager.backing
@@ -82,6 +101,11 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
         self._allocation_sizes: list[int] = []
         self._skipped_reported = 0
         self._failed_reported = 0
+        self._config_info = dict(config_info or {})
+        self._events: list[Any] = []  # vLLM events made here, in order with the manager's
+        self._metadata_only_events = _METADATA_ONLY and enable_events
+        self._hints_ignored = 0
+        self._hints_reported = 0
 
     @property
     def aiokvo_manager(self) -> OffloadingManager:
@@ -91,6 +115,9 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
     # -- requests --------------------------------------------------------------
     def on_new_request(self, req_context: Any) -> Any:
         req_context.set_state(_Request(req_context.kv_transfer_params))
+        if getattr(req_context, "kv_hints", None) is not None:
+            # vLLM 0.33's orchestrator hints: the CPU pool acts on none of them yet.
+            self._hints_ignored += 1
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: Any) -> None:
@@ -146,22 +173,57 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: Any, success: bool = True
     ) -> None:
-        if success and self._failures.pending:
+        if success and self._failures.poll():
             failed = self._failures.take(self._core, keys)
             if failed:
-                self._manager.complete_store(failed, success=False)
+                self._fail_store(failed)
                 keys = [key for key in keys if key not in failed]
-        self._manager.complete_store(keys, success)
+        if success:
+            self._manager.complete_store(keys, success)
+        else:
+            self._fail_store(keys)
+
+    def _fail_store(self, keys: Collection[OffloadKey]) -> None:
+        """Complete ``keys`` as failed; on vLLM 0.33, announce the release of those
+        that were being written with a ``metadata_only`` removal, as its manager does."""
+        if not self._metadata_only_events:
+            self._manager.complete_store(keys, success=False)
+            return
+        core = self._core
+        freed = [k for k in keys if (st := core.block_status(k)) is not None and not st.is_ready]
+        self._manager.complete_store(keys, success=False)
+        if freed:
+            self._events.extend(event_to_vllm(e) for e in self._manager.take_events())
+            self._events.append(
+                VllmOffloadingEvent(keys=freed, medium=_CPU, removed=True, metadata_only=True)
+            )
 
     # -- the rest ----------------------------------------------------------------
     def take_events(self) -> Iterable[Any]:
-        return [event_to_vllm(event) for event in self._manager.take_events()]
+        made, self._events = self._events, []
+        out: list[Any] = []
+        for event in made:
+            if getattr(event, "metadata_only", False):
+                # A key stored again since its release is not announced as removed.
+                keys = [k for k in event.keys if self._core.block_status(k) is None]
+                if not keys:
+                    continue
+                event = VllmOffloadingEvent(
+                    keys=keys, medium=event.medium, removed=True, metadata_only=True
+                )
+            out.append(event)
+        out.extend(event_to_vllm(event) for event in self._manager.take_events())
+        return out
 
     def reset_cache(self) -> None:
         # vLLM's scheduler announces AllBlocksCleared itself, and its own
         # manager publishes nothing here: no removal event (docs/vllm.md).
         self._manager.reset_cache(announce=False)
         self._failures.clear()
+
+    def config_info(self) -> Sequence[Mapping[str, Any]]:
+        """vLLM 0.33's ``vllm:kv_offload_config_info`` series: the CPU pool's facts."""
+        return [dict(self._config_info)]
 
     def get_stats(self) -> Any:
         stats = OffloadingConnectorStats()
@@ -182,8 +244,14 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
         failed = self._failures.consumed
         stats.increase_counter(STORE_FAILURES, failed - self._failed_reported)
         self._failed_reported = failed
+        if self._hints_ignored != self._hints_reported:
+            stats.increase_counter(KV_HINTS_IGNORED, self._hints_ignored - self._hints_reported)
+            self._hints_reported = self._hints_ignored
         return stats
 
     def shutdown(self) -> None:
-        self._manager.shutdown()
+        try:
+            self._manager.shutdown()
+        finally:
+            self._failures.close()
 

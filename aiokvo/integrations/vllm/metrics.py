@@ -24,6 +24,8 @@ __all__ = [
     "CACHE_READ_USAGE",
     "CACHE_USAGE",
     "CACHE_WRITE_USAGE",
+    "CONFIG_INFO_KEYS",
+    "KV_HINTS_IGNORED",
     "STORES_SKIPPED",
     "STORE_FAILURES",
     "metric_definitions",
@@ -35,6 +37,12 @@ CACHE_READ_USAGE: str = CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC
 ALLOCATION_SIZE: str = CPUOffloadingMetrics.CPU_ALLOCATION_SIZE
 STORES_SKIPPED: str = CPUOffloadingMetrics.STORES_SKIPPED
 STORE_FAILURES = "vllm:kv_offload_aiokvo_store_failures"
+KV_HINTS_IGNORED = "vllm:kv_offload_aiokvo_kv_hints_ignored"
+
+CONFIG_INFO_KEYS = (
+    "cpu_num_chunks", "cpu_blocks_per_chunk", "cpu_kv_cache_size_bytes", "cpu_kv_cache_size_tokens",
+)
+"""vLLM 0.33's ``vllm:kv_offload_config_info`` labels for a CPU pool (its ``CPUOffloadingInfo``)."""
 
 
 def store_threshold(extra_config: Mapping[str, Any]) -> int:
@@ -62,6 +70,10 @@ def metric_definitions(extra_config: Mapping[str, Any]) -> dict[str, Any]:
         STORE_FAILURES: OffloadingCounterMetadata(
             documentation="KV offload stores that failed after aiokvo's retries; "
             "their blocks were dropped, never served."
+        ),
+        KV_HINTS_IGNORED: OffloadingCounterMetadata(
+            documentation="Requests whose orchestrator KV hints (vLLM 0.33 kv_hints) "
+            "aiokvo's spec did not act on."
         ),
     }
     if store_threshold(extra_config) >= 2:

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 from aiokvo.handlers.sync import SyncOffloadingWorker
 from aiokvo.handlers.worker import OffloadingWorker
 from aiokvo.integrations.vllm.convert import caches_from_vllm
-from aiokvo.integrations.vllm.failures import store_failures
 from aiokvo.integrations.vllm.worker import AiokvoOffloadingWorker
 from aiokvo.runtime.pump import make_loop_driver
 
@@ -66,12 +65,9 @@ def build_worker(spec: AiokvoOffloadingSpec, vllm_kv_caches: Any) -> AiokvoOfflo
 
     return AiokvoOffloadingWorker(
         sync,
-        store_failures=store_failures(spec.aiokvo_config.instance_id or _engine(spec)),
+        failure_log=spec.failure_log(),
         close=close,
         on_load_failure=spec.on_load_failure,
         cpu_pool=getattr(routes[0][2], "cpu_tensors", None),
     )
 
-
-def _engine(spec: AiokvoOffloadingSpec) -> str:
-    return str(spec.config.engine_id)

@@ -24,10 +24,14 @@ from vllm.v1.kv_offload.base import OffloadingSpec as VllmOffloadingSpec
 from aiokvo._util import check_choice, check_int
 from aiokvo.config import OffloadConfig
 from aiokvo.errors import ConfigError
-from aiokvo.integrations.vllm.extra_config import check_extra_config
-from aiokvo.integrations.vllm.failures import store_failures
+from aiokvo.integrations.vllm.extra_config import AIOKVO_KEYS, check_extra_config
+from aiokvo.integrations.vllm.failures import FailureLog, StoreFailures, failure_log_path
 from aiokvo.integrations.vllm.manager import AiokvoOffloadingManager
-from aiokvo.integrations.vllm.metrics import metric_definitions, store_threshold
+from aiokvo.integrations.vllm.metrics import (
+    CONFIG_INFO_KEYS,
+    metric_definitions,
+    store_threshold,
+)
 from aiokvo.integrations.vllm.worker import AiokvoOffloadingWorker, LoadFailurePolicy
 from aiokvo.offloading_spec import CPUOffloadingSpec
 
@@ -40,10 +44,6 @@ CHUNK_ALIGNMENT = 4096
 """vLLM's CPU spec rounds each chunk's bytes up to a page (``mmap.PAGESIZE``)
 when it sizes the pool; the same rounding gives the same number of chunks."""
 
-AIOKVO_KEYS = frozenset(
-    {"aiokvo_loop", "aiokvo_retries", "aiokvo_on_load_failure", "aiokvo_handler_options"}
-)
-"""aiokvo's own ``kv_connector_extra_config`` keys (docs/vllm.md)."""
 
 
 
@@ -129,6 +129,11 @@ class AiokvoOffloadingSpec(VllmOffloadingSpec):  # type: ignore[misc]
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
         return metric_definitions(check_extra_config(extra_config))  # the front end's check
 
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """vLLM 0.33's ``vllm:kv_offload_config_info`` labels: those of vLLM's CPU spec."""
+        return CONFIG_INFO_KEYS
+
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         extra = check_extra_config(config.extra_config)  # every key, before anything else
@@ -157,6 +162,9 @@ class AiokvoOffloadingSpec(VllmOffloadingSpec):  # type: ignore[misc]
             raise ConfigError(f"aiokvo_handler_options must be a mapping, got {options!r}")
         self.handler_options: dict[str, Any] = dict(options)
         self._engine_id = str(config.engine_id)
+        parallel = config.parallel
+        self._world = max(1, int(parallel.world_size))
+        self._rank = int(parallel.rank) if self._world > 1 else 0
         self._manager: AiokvoOffloadingManager | None = None
         self._worker: AiokvoOffloadingWorker | None = None
 
@@ -165,11 +173,59 @@ class AiokvoOffloadingSpec(VllmOffloadingSpec):  # type: ignore[misc]
         """CPU chunks in the pool (vLLM's name for offloaded blocks)."""
         return self.aiokvo_config.num_cpu_blocks
 
+    def config_info(self) -> dict[str, Any]:
+        """The values of :meth:`config_info_keys`, computed as vLLM 0.33's CPU spec does."""
+        config = self.config
+        chunks = self.num_chunks
+        bpc = int(config.cache.blocks_per_chunk)
+        per_chunk = int(config.worker_kv_bytes_per_block) * self._world * bpc
+        per_chunk = -(-per_chunk // CHUNK_ALIGNMENT) * CHUNK_ALIGNMENT
+        max_len = int(getattr(config.model, "max_model_len", 0) or 0)
+        tokens: int | str = "None"
+        if max_len > 0 and config.groups:
+            per_request = 0
+            for group in config.groups:
+                need = -(-max_len // (int(group.tokens_per_block) * bpc))
+                window = getattr(group, "sliding_window_size_in_chunks", None)
+                per_request += need if window is None else min(need, int(window))
+            tokens = chunks * max_len // per_request
+        return {
+            "cpu_num_chunks": chunks,
+            "cpu_blocks_per_chunk": bpc,
+            "cpu_kv_cache_size_bytes": chunks * per_chunk,
+            "cpu_kv_cache_size_tokens": tokens,
+        }
+
+    def failure_log(self) -> FailureLog:
+        """This worker rank's end of the store-failure path (:mod:`~.failures`)."""
+        from aiokvo.memory.shared_region import default_directory
+
+        path = failure_log_path(default_directory(), self._engine_id, self._rank)
+        return FailureLog(path, max(1, self.num_chunks))
+
+    def _store_failures(self) -> StoreFailures:
+        from aiokvo.memory.shared_region import default_directory
+
+        directory = default_directory()
+        logs: list[FailureLog] = []
+        try:
+            for rank in range(self._world):
+                path = failure_log_path(directory, self._engine_id, rank)
+                logs.append(FailureLog(path, max(1, self.num_chunks), owner=True))
+        except BaseException:
+            for log in logs:
+                log.close()
+            raise
+        return StoreFailures(logs)
+
     def get_manager(self) -> AiokvoOffloadingManager:
         if self._manager is None:
             inner = self.inner_spec_class(self.aiokvo_config)
             self._manager = AiokvoOffloadingManager(
-                inner.get_manager(), store_failures(self._engine_id)
+                inner.get_manager(),
+                self._store_failures(),
+                config_info=self.config_info(),
+                enable_events=self.aiokvo_config.enable_events,
             )
         return self._manager
 

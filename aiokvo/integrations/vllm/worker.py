@@ -13,8 +13,9 @@ retried (``SyncOffloadingWorker.retries``); one that still fails is reported
 finished, logged, and counted, and then:
 
 * a store's CPU blocks are quarantined here (no load reads them until a
-  later store rewrites them) and reported to the engine's manager in this
-  process (:mod:`aiokvo.integrations.vllm.failures`), which drops the keys;
+  later store rewrites them) and reported to the engine's manager, in
+  whatever process it runs (:mod:`aiokvo.integrations.vllm.failures`),
+  which drops the keys;
 * a load leaves its GPU blocks unwritten, and vLLM 0.32 offers a worker no
   way to say so (its connector reports no load errors). With
   ``on_load_failure="raise"`` the error is raised instead, stopping the
@@ -38,7 +39,7 @@ from vllm.v1.kv_offload.base import TransferResult as VllmTransferResult
 
 from aiokvo.errors import AiokvoError, TransferError
 from aiokvo.integrations.vllm.convert import cpu_spec_from_vllm, gpu_spec_from_vllm
-from aiokvo.integrations.vllm.failures import StoreFailures
+from aiokvo.integrations.vllm.failures import FailureLog
 from aiokvo.specs import TransferResult, TransferSpec
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ class AiokvoOffloadingWorker(VllmOffloadingWorker):  # type: ignore[misc]
         self,
         sync: SyncOffloadingWorker,
         *,
-        store_failures: StoreFailures,
+        failure_log: FailureLog,
         close: Callable[[], None],
         on_load_failure: LoadFailurePolicy = "report",
         cpu_pool: tuple[Any, ...] | None = None,
@@ -83,7 +84,7 @@ class AiokvoOffloadingWorker(VllmOffloadingWorker):  # type: ignore[misc]
         self.cpu_pool = cpu_pool
         """The CPU pool's tensors, one per canonical KV tensor (for inspection)."""
         self._sync = sync
-        self._failures = store_failures
+        self._failures = failure_log
         self._close: Callable[[], None] | None = close
         self._on_load_failure = on_load_failure
         self._stores: dict[int, npt.NDArray[np.int64]] = {}  # job -> CPU blocks written
@@ -118,7 +119,11 @@ class AiokvoOffloadingWorker(VllmOffloadingWorker):  # type: ignore[misc]
         self._submit(job_id, spec)
         return True
 
-    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+    def submit_load(
+        self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
+    ) -> bool:
+        # vLLM 0.33 marks loads it waits for within the step ``expedited``: every
+        # aiokvo load is enqueued at once, in order, so nothing queues ahead of it.
         self._counts["loads"] += 1
         try:
             src = cpu_spec_from_vllm(src_spec)
@@ -147,7 +152,10 @@ class AiokvoOffloadingWorker(VllmOffloadingWorker):  # type: ignore[misc]
     def shutdown(self) -> None:
         close, self._close = self._close, None
         if close is not None:
-            close()
+            try:
+                close()
+            finally:
+                self._failures.close()
 
     # -- internals -------------------------------------------------------------
     def _submit(self, job_id: int, spec: TransferSpec) -> None:
@@ -175,7 +183,7 @@ class AiokvoOffloadingWorker(VllmOffloadingWorker):  # type: ignore[misc]
             self._counts["stores_failed"] += 1
             ids = blocks.tolist()
             self._quarantined.update(ids)
-            self._failures.report(ids)
+            self._failures.append(ids)  # before vLLM hears the job finished
             logger.error(
                 "aiokvo: store job %d failed after retries (%r); its %d CPU blocks are "
                 "dropped, never served", result.job_id, result.error, len(ids),

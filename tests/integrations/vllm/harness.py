@@ -159,10 +159,22 @@ class Harness:
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import (
             generate_scheduler_kv_cache_config,
-            get_kv_cache_configs,
             get_request_block_hasher,
             init_none_hash,
         )
+
+        try:
+            from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+        except ImportError:  # vLLM 0.33 moved it, and takes the groups made first
+            from vllm.v1.core.kv_cache_planning import (
+                get_global_kv_cache_groups,
+            )
+            from vllm.v1.core.kv_cache_planning import (
+                get_kv_cache_configs as _configs,
+            )
+
+            def get_kv_cache_configs(config: Any, specs: Any, memory: Any) -> Any:
+                return _configs(config, specs, memory, get_global_kv_cache_groups(config, specs))
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec

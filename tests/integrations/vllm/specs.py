@@ -215,6 +215,7 @@ class ShadowManager(OffloadingManager):  # type: ignore[misc]
         self.calls = 0
         self.compared: dict[str, int] = {}
         self.diffs: list[str] = []
+        self.first_diff: tuple[str, Any, Any] | None = None
         SHADOWS.append(self)
 
     @property
@@ -223,6 +224,8 @@ class ShadowManager(OffloadingManager):  # type: ignore[misc]
 
     def _same(self, name: str, mine: Any, theirs: Any) -> None:
         self.compared[name] = self.compared.get(name, 0) + 1
+        if mine != theirs and self.first_diff is None:
+            self.first_diff = (name, mine, theirs)
         if mine != theirs and len(self.diffs) < 50:
             self.diffs.append(f"call {self.calls} {name}: aiokvo {mine!r} != vLLM {theirs!r}")
 

@@ -63,7 +63,7 @@ def test_stores_in_flight_give_hit_pending_and_flush_fences(
     harness_factory: Any, scheduler: str, policy: str
 ) -> None:
     h = harness_factory(spec=dict(SLOW_SPEC), scheduler=scheduler, policy=policy,
-                        extra={"slow_copy_seconds": 0.03})
+                        extra={"slow_copy_seconds": 0.1})
     out = run_scenario(h)
     check_common(h, out, 1)
     assert out["hit_pending"] > 0  # a prefix looked up while its store was in flight

@@ -1,11 +1,19 @@
 """The shadow check: aiokvo's manager and vLLM's own, answer for answer.
 
-Every manager call goes to vLLM 0.32's ``CPUOffloadingManager`` and to
+Every manager call goes to vLLM's ``CPUOffloadingManager`` and to
 aiokvo's (through the integration's translation), and every answer is
 compared: lookups, keys to store, evictions, block ids, events, stats.
 Two drivers: vLLM's real scheduler (the harness scenario, with and without
 slow copies), and long random call sequences shaped like the connector's.
 Target: no difference at all.
+
+One known difference on vLLM 0.33: its LRU policy ranks the blocks of a
+request still running by token position under one provisional request rank
+(``on_request_access``), where 0.32 (and aiokvo's ``recency="request"``)
+orders them when the request finishes. The LRU runs on 0.33 may therefore
+differ, and the first difference must be an eviction choice (the same keys
+stored, the same number of blocks evicted, other ones), never a lookup, a
+block id or an event of its own (docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -14,15 +22,30 @@ import random
 from typing import Any
 
 import pytest
+import vllm
 from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
+from aiokvo.integrations.vllm._compat import _release
 from aiokvo.integrations.vllm.failures import StoreFailures
 from aiokvo.integrations.vllm.manager import AiokvoOffloadingManager
 from aiokvo.manager.cpu import CPUOffloadingManager as AiokvoCPUManager
 from aiokvo.manager.reuse import FilterReusedOffloadingManager
 from tests.integrations.vllm.harness import SHADOW_SPEC, run_scenario
 from tests.integrations.vllm.specs import ShadowManager
+
+LRU_RANKS_RUNNING_REQUESTS = (_release(vllm.__version__) or (0, 0, 0)) >= (0, 33, 0)
+
+
+def check_no_difference(shadow: ShadowManager, policy: str) -> None:
+    if not (policy == "lru" and LRU_RANKS_RUNNING_REQUESTS) or shadow.first_diff is None:
+        assert shadow.diffs == []
+        return
+    name, mine, theirs = shadow.first_diff
+    assert name == "prepare_store", shadow.diffs[:3]
+    assert mine is not None and theirs is not None, shadow.diffs[:3]
+    assert mine[0] == theirs[0] and len(mine[2]) == len(theirs[2]), shadow.diffs[:3]
+    assert mine[2] != theirs[2]
 
 
 @pytest.mark.parametrize(
@@ -46,7 +69,7 @@ def test_the_scheduler_driven_shadow_finds_no_difference(
     out = run_scenario(h)
     shadow = h.manager
     assert isinstance(shadow, ShadowManager)
-    assert shadow.diffs == []
+    check_no_difference(shadow, policy)
     for name in ("lookup", "prepare_store", "prepare_load", "take_events", "get_stats"):
         assert shadow.compared.get(name, 0) > 0, name
     assert out["reloads"] == 4
@@ -62,7 +85,8 @@ def make_pair(policy: str, num_chunks: int, threshold: int, tracker: int) -> Sha
         FilterReusedOffloadingManager(core, threshold, tracker, counting="offers")
         if threshold >= 2 else core
     )
-    return ShadowManager(AiokvoOffloadingManager(mine, StoreFailures()), native)
+    return ShadowManager(AiokvoOffloadingManager(mine, StoreFailures(), enable_events=True),
+                         native)
 
 
 class ConnectorLike:
@@ -126,7 +150,7 @@ class ConnectorLike:
                     self.stores.append((set(out.keys_to_store), r["ctx"]))
         elif op == "done_store" and self.stores:
             keys, ctx = self.stores.pop(rng.randrange(len(self.stores)))
-            m.complete_store(keys, ctx)
+            m.complete_store(keys, ctx, rng.random() >= 0.05)  # a few failed stores
         elif op == "done_load" and self.loads:
             keys, ctx = self.loads.pop(rng.randrange(len(self.loads)))
             m.complete_load(set(keys), ctx)
@@ -152,7 +176,15 @@ def test_long_random_runs_find_no_difference(policy: str, threshold: int, tracke
     shadow = make_pair(policy, num_chunks=24, threshold=threshold, tracker=tracker)
     driver = ConnectorLike(shadow, seed)
     for _ in range(6000):
-        driver.step()
-    assert shadow.diffs == []
+        try:
+            driver.step()
+        except AssertionError:
+            # vLLM's own manager asserts once it is driven past a difference
+            # (a key aiokvo kept that it evicted); only after one.
+            assert shadow.first_diff is not None
+            break
+    check_no_difference(shadow, policy)
+    if shadow.first_diff is not None:
+        return
     assert shadow.compared["prepare_store"] > 500 and shadow.compared["lookup"] > 200
     assert shadow.compared["prepare_load"] > 0 and shadow.compared["take_events"] > 500

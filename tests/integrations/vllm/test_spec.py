@@ -108,11 +108,34 @@ def test_bad_settings_are_config_errors_naming_them(extra: dict[str, Any], match
         AiokvoOffloadingSpec(config(extra)).get_manager()
 
 
-def test_canonical_layout_and_untested_vllm_versions_are_refused() -> None:
+def test_canonical_layout_and_vllm_before_032_are_refused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     with pytest.raises(ConfigError, match="canonical_layout is not supported"):
         AiokvoOffloadingSpec(config({"cpu_bytes_to_use": 1 << 20}, canonical=True))
-    check_vllm_version("0.32.0")
-    check_vllm_version("0.32.7+cpu")
-    for version in ("0.31.9", "0.33.0", "1.0", "main"):
+    for version in ("0.32.0", "0.32.7+cpu", "0.33.0", "0.33.2rc1"):
+        check_vllm_version(version)
+    assert not caplog.records
+    for version in ("0.31.9", "0.9.2", "main"):
         with pytest.raises(ConfigError, match=f"vLLM {version} is installed"):
             check_vllm_version(version)
+    check_vllm_version("0.34.0")  # untested: used, with a warning
+    assert "vLLM 0.34.0 is installed" in caplog.text
+
+
+@pytest.mark.parametrize(("bytes_per_block", "bpc", "world"), [(12_000, 1, 1), (5000, 3, 2)])
+def test_config_info_is_vllms_own(bytes_per_block: int, bpc: int, world: int) -> None:
+    """vLLM 0.33's ``vllm:kv_offload_config_info``: the same labels and values as its
+    CPU spec's; on 0.32 (no such metric) the methods are there and unused."""
+    extra = {"cpu_bytes_to_use": 7 << 20}
+    ours = AiokvoOffloadingSpec(config(extra, bytes_per_block=bytes_per_block, bpc=bpc,
+                                       world=world))
+    info = ours.get_manager().config_info()
+    assert list(info[0]) == list(AiokvoOffloadingSpec.config_info_keys(extra))
+    assert info[0]["cpu_num_chunks"] == ours.num_chunks > 0
+    native_cls: Any = CPUOffloadingSpec
+    if not hasattr(native_cls, "config_info_keys"):
+        return  # vLLM 0.32
+    native = native_cls(config(extra, bytes_per_block=bytes_per_block, bpc=bpc, world=world))
+    assert AiokvoOffloadingSpec.config_info_keys(extra) == native_cls.config_info_keys(extra)
+    assert info == list(native.get_manager().config_info())

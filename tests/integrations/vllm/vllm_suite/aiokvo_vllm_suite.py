@@ -1,4 +1,4 @@
-"""pytest plugin: vLLM 0.32's own manager and connector tests, run against aiokvo.
+"""pytest plugin: vLLM's own manager and connector tests (0.32, 0.33), run against aiokvo.
 
 Loaded with ``-p aiokvo_vllm_suite`` (this directory on ``PYTHONPATH``: vLLM's
 ``tests`` package must win the name) when pytest
@@ -66,6 +66,20 @@ _internal("monkeypatches vLLM's policy hooks, whose signatures are vLLM's (touch
           "test_request_finish_forwards_grouped_deduplicated_accesses")
 
 
+_LRU_033 = ("vLLM 0.33's LRU rule (a running request's blocks share one provisional rank, "
+            "ordered by token position), which aiokvo does not follow (docs/vllm.md)")
+VLLM_033_LRU = (
+    "test_unfinished_lru_prefix_survives_pressure_across_store_batches",
+    "test_unfinished_lru_reused_prefix_outlives_new_tail",
+    "test_unfinished_lru_backfill_orders_by_token_position",
+    "test_lru_failed_store_retry_preserves_prefix_order",
+    "test_lru_incremental_stores_do_not_rescan_the_prefix",
+    "test_lru_insert_orders_positioned_chunks_without_followup_access",
+)
+"""vLLM 0.33's tests of its new LRU rule (they are not in 0.32's suite)."""
+_internal(_LRU_033, *VLLM_033_LRU)
+
+
 class AiokvoCPUOffloadingManager(AiokvoOffloadingManager):
     """vLLM's ``CPUOffloadingManager`` constructor, aiokvo's manager behind it."""
 
@@ -77,6 +91,7 @@ class AiokvoCPUOffloadingManager(AiokvoOffloadingManager):
         enable_events: bool = False,
         store_threshold: int = 1,
         max_tracker_size: int = 64_000,
+        info: Any = None,
     ) -> None:
         if cache_policy_module_path is not None:
             raise pytest.UsageError("out-of-tree vLLM policies have no aiokvo equivalent")
@@ -88,7 +103,9 @@ class AiokvoCPUOffloadingManager(AiokvoOffloadingManager):
             manager = FilterReusedOffloadingManager(
                 core, store_threshold, max_tracker_size, counting="offers"
             )
-        super().__init__(manager, StoreFailures())
+        config_info = info.as_config_info() if info is not None else None  # vLLM 0.33
+        super().__init__(manager, StoreFailures(), config_info=config_info,
+                         enable_events=enable_events)
         # What vLLM's tests read off vLLM's manager, answered by aiokvo's parts:
         # the medium, and the policy (aiokvo's ARC has the same t1/t2/b1/b2
         # lists and target; its entries are block ids, not ChunkStatus objects).
