@@ -28,8 +28,11 @@ from aiokvo.errors import ConfigError
 __all__ = ["AIOKVO_KEYS", "HANDLER_OPTIONS", "VLLM_KEYS", "check_extra_config"]
 
 AIOKVO_KEYS = frozenset(
-    {"aiokvo_loop", "aiokvo_retries", "aiokvo_on_load_failure", "aiokvo_handler_options"}
-)
+    {
+        "aiokvo_loop", "aiokvo_retries", "aiokvo_on_load_failure", "aiokvo_handler_options",
+        "aiokvo_retention_fraction",
+    }
+)  # fmt: skip
 """aiokvo's own keys (docs/vllm.md)."""
 
 VLLM_KEYS = frozenset(
@@ -273,4 +276,25 @@ def check_extra_config(extra: object, *, strict: bool = False) -> dict[str, Any]
                 raise ConfigError(f"kv_connector_extra_config: {exc}") from None
     if "aiokvo_handler_options" in extra:
         checked["aiokvo_handler_options"] = _handler_options(extra["aiokvo_handler_options"])
+    if extra.get("aiokvo_retention_fraction") is not None:
+        checked["aiokvo_retention_fraction"] = _fraction(
+            "aiokvo_retention_fraction", extra["aiokvo_retention_fraction"]
+        )
     return checked
+
+
+def _fraction(key: str, value: object) -> float:
+    """A share in [0, 1], also as a numeric string (JSON configs)."""
+    number: float | None = None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    if number is None or not 0.0 <= number <= 1.0:
+        raise ConfigError(
+            f"kv_connector_extra_config['{key}'] must be a number in [0, 1], got {value!r}"
+        )
+    return number

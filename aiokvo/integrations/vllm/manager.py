@@ -10,13 +10,18 @@ Prometheus logger expects (:mod:`aiokvo.integrations.vllm.metrics`).
 
 On vLLM 0.33 it also answers ``config_info`` (``vllm:kv_offload_config_info``),
 releases the keys of a failed store with a ``metadata_only`` removal event
-(as 0.33's CPU manager does), and counts the orchestrator hints
-(``ReqContext.kv_hints``) it ignores; ``lock`` is vLLM's default (no lock):
-the manager is entered from the scheduler's thread only.
+(as 0.33's CPU manager does), and reads the orchestrator hints
+(``ReqContext.kv_hints``, :mod:`~aiokvo.integrations.vllm.hints`): a
+``kv.retain`` retains the request's blocks softly when it finishes; actions
+that need a tier below the pool (prefetch, demote, durable) are counted as
+ignored, as are unknown ones; a bad payload is counted and logged once, never
+raised into the engine. ``lock`` is vLLM's default (no lock): the manager is
+entered from the scheduler's thread only.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -32,22 +37,28 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from aiokvo.integrations.vllm._compat import has_metadata_only_events
 from aiokvo.integrations.vllm.convert import cpu_spec_to_vllm, event_to_vllm, lookup_result
 from aiokvo.integrations.vllm.failures import StoreFailures
+from aiokvo.integrations.vllm.hints import Refused, Retain, read_action
 from aiokvo.integrations.vllm.metrics import (
     ALLOCATION_SIZE,
     CACHE_READ_USAGE,
     CACHE_USAGE,
     CACHE_WRITE_USAGE,
+    KV_HINTS_EXECUTED,
     KV_HINTS_IGNORED,
+    KV_HINTS_INVALID,
     STORE_FAILURES,
     STORES_SKIPPED,
 )
 from aiokvo.keys import OffloadKey
 from aiokvo.manager.base import OffloadingManager
 from aiokvo.manager.cpu import CPUOffloadingManager
+from aiokvo.manager.retention import Retention
 from aiokvo.manager.reuse import FilterReusedOffloadingManager
 from aiokvo.specs import ReqContext
 
 __all__ = ["AiokvoOffloadingManager"]
+
+_log = logging.getLogger("aiokvo.integrations.vllm")
 
 _LOOKUP_CONTEXT = ReqContext()  # aiokvo's lookup reads no context; skip the per-key fetch
 _METADATA_ONLY = has_metadata_only_events(VllmOffloadingEvent)
@@ -55,20 +66,27 @@ _CPU = Medium.CPU
 
 
 class _Request:
-    """The aiokvo context of one vLLM request, kept in vLLM's ``ReqContext`` state."""
+    """The aiokvo context of one vLLM request, kept in vLLM's ``ReqContext`` state;
+    with a ``kv.retain`` hint, the keys it used, to retain when it finishes."""
 
-    __slots__ = ("context",)
+    __slots__ = ("context", "keys", "retain")
 
     def __init__(self, kv_transfer_params: dict[str, Any] | None) -> None:
         self.context = ReqContext(kv_transfer_params=kv_transfer_params)
+        self.retain: Retain | None = None
+        self.keys: dict[OffloadKey, None] | None = None
 
 
-def _context(req_context: Any) -> ReqContext:
+def _request(req_context: Any) -> _Request:
     state: _Request | None = req_context.get_state(_Request)
     if state is None:  # a request the connector did not announce (vLLM does for untracked ones)
         state = _Request(req_context.kv_transfer_params)
         req_context.set_state(state)
-    return state.context
+    return state
+
+
+def _context(req_context: Any) -> ReqContext:
+    return _request(req_context).context
 
 
 class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
@@ -87,6 +105,7 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
         *,
         config_info: Mapping[str, Any] | None = None,
         enable_events: bool = False,
+        retention: Retention | None = None,
     ) -> None:
         if isinstance(manager, FilterReusedOffloadingManager):
             self._filter: FilterReusedOffloadingManager | None = manager
@@ -97,6 +116,8 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
             raise TypeError(f"expected aiokvo's CPUOffloadingManager, got {core!r}")
         self._manager = manager
         self._core = core
+        if retention is not None:  # kv.retain hints retain softly within its budget
+            core.set_retention(retention)
         self._failures = store_failures
         self._allocation_sizes: list[int] = []
         self._skipped_reported = 0
@@ -104,8 +125,11 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
         self._config_info = dict(config_info or {})
         self._events: list[Any] = []  # vLLM events made here, in order with the manager's
         self._metadata_only_events = _METADATA_ONLY and enable_events
-        self._hints_ignored = 0
-        self._hints_reported = 0
+        # Hint actions: executed, ignored (unknown, or needing a tier), invalid payloads;
+        # and how much of each get_stats has reported already.
+        self._hints = {KV_HINTS_EXECUTED: 0, KV_HINTS_IGNORED: 0, KV_HINTS_INVALID: 0}
+        self._hints_reported = dict.fromkeys(self._hints, 0)
+        self._hint_warnings: set[tuple[str, str]] = set()
 
     @property
     def aiokvo_manager(self) -> OffloadingManager:
@@ -114,16 +138,49 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
 
     # -- requests --------------------------------------------------------------
     def on_new_request(self, req_context: Any) -> Any:
-        req_context.set_state(_Request(req_context.kv_transfer_params))
-        if getattr(req_context, "kv_hints", None) is not None:
-            # vLLM 0.33's orchestrator hints: the CPU pool acts on none of them yet.
-            self._hints_ignored += 1
+        state = _Request(req_context.kv_transfer_params)
+        req_context.set_state(state)
+        hints = getattr(req_context, "kv_hints", None)
+        if hints is not None:
+            self._read_hints(state, hints)
         return RequestOffloadingContext()
+
+    def _read_hints(self, state: _Request, envelope: Any) -> None:
+        """Read vLLM 0.33's ``KvHintsEnvelope``: keep a retain for the request's end;
+        count what cannot be acted on here (never raising into the engine)."""
+        actions = getattr(envelope, "actions", None)
+        if not isinstance(actions, list | tuple):
+            self._hint_refused(Refused("(envelope)", "bad_payload", f"actions: {actions!r}"))
+            return
+        for action in actions:
+            hint = read_action(action)
+            if isinstance(hint, Refused):
+                self._hint_refused(hint)
+            elif isinstance(hint, Retain) and self._core.retention is not None:
+                state.retain = hint
+                state.keys = {}
+            else:  # prefetch, demote, durable: no tier below this pool (docs/vllm.md)
+                self._hints[KV_HINTS_IGNORED] += 1
+
+    def _hint_refused(self, refused: Refused) -> None:
+        invalid = refused.reason == "bad_payload"
+        self._hints[KV_HINTS_INVALID if invalid else KV_HINTS_IGNORED] += 1
+        if invalid and (refused.action_type, refused.reason) not in self._hint_warnings:
+            self._hint_warnings.add((refused.action_type, refused.reason))
+            _log.warning("kv_hints action %s refused (%s): %s; counted in %s from now on",
+                         refused.action_type, refused.reason, refused.detail, KV_HINTS_INVALID)
 
     def on_request_finished(self, req_context: Any) -> None:
         state: _Request | None = req_context.get_state(_Request)
-        if state is not None:
-            self._manager.on_request_finished(state.context, req_context.get_offload_key_position)
+        if state is None:
+            return
+        self._manager.on_request_finished(state.context, req_context.get_offload_key_position)
+        retain, keys = state.retain, state.keys
+        retention = self._core.retention
+        if retain is not None and keys and retention is not None:
+            state.retain = state.keys = None
+            retention.retain(list(keys), priority=retain.priority, ttl=retain.ttl)
+            self._hints[KV_HINTS_EXECUTED] += 1
 
     def on_schedule_end(self, context: Any) -> None:
         return
@@ -139,7 +196,10 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
         return CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: Any) -> Any:
-        return cpu_spec_to_vllm(self._manager.prepare_load(keys, _context(req_context)))
+        state = _request(req_context)
+        if state.keys is not None:
+            state.keys.update(dict.fromkeys(keys))
+        return cpu_spec_to_vllm(self._manager.prepare_load(keys, state.context))
 
     def touch(self, keys: Collection[OffloadKey], req_context: Any) -> None:
         self._manager.touch(keys)
@@ -149,7 +209,10 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
 
     # -- stores ----------------------------------------------------------------
     def prepare_store(self, keys: Collection[OffloadKey], req_context: Any) -> Any:
-        out = self._manager.prepare_store(keys, _context(req_context))
+        state = _request(req_context)
+        if state.keys is not None:
+            state.keys.update(dict.fromkeys(keys))
+        out = self._manager.prepare_store(keys, state.context)
         if out is None:
             # vLLM counts a refused allocation in the histogram too.
             self._allocation_sizes.append(self._candidates(keys))
@@ -244,9 +307,10 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
         failed = self._failures.consumed
         stats.increase_counter(STORE_FAILURES, failed - self._failed_reported)
         self._failed_reported = failed
-        if self._hints_ignored != self._hints_reported:
-            stats.increase_counter(KV_HINTS_IGNORED, self._hints_ignored - self._hints_reported)
-            self._hints_reported = self._hints_ignored
+        for name, count in self._hints.items():
+            if count != self._hints_reported[name]:
+                stats.increase_counter(name, count - self._hints_reported[name])
+                self._hints_reported[name] = count
         return stats
 
     def shutdown(self) -> None:

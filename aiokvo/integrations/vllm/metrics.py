@@ -25,7 +25,9 @@ __all__ = [
     "CACHE_USAGE",
     "CACHE_WRITE_USAGE",
     "CONFIG_INFO_KEYS",
+    "KV_HINTS_EXECUTED",
     "KV_HINTS_IGNORED",
+    "KV_HINTS_INVALID",
     "STORES_SKIPPED",
     "STORE_FAILURES",
     "metric_definitions",
@@ -37,7 +39,9 @@ CACHE_READ_USAGE: str = CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC
 ALLOCATION_SIZE: str = CPUOffloadingMetrics.CPU_ALLOCATION_SIZE
 STORES_SKIPPED: str = CPUOffloadingMetrics.STORES_SKIPPED
 STORE_FAILURES = "vllm:kv_offload_aiokvo_store_failures"
+KV_HINTS_EXECUTED = "vllm:kv_offload_aiokvo_kv_hints_executed"
 KV_HINTS_IGNORED = "vllm:kv_offload_aiokvo_kv_hints_ignored"
+KV_HINTS_INVALID = "vllm:kv_offload_aiokvo_kv_hints_invalid"
 
 CONFIG_INFO_KEYS = (
     "cpu_num_chunks", "cpu_blocks_per_chunk", "cpu_kv_cache_size_bytes", "cpu_kv_cache_size_tokens",
@@ -71,9 +75,17 @@ def metric_definitions(extra_config: Mapping[str, Any]) -> dict[str, Any]:
             documentation="KV offload stores that failed after aiokvo's retries; "
             "their blocks were dropped, never served."
         ),
+        KV_HINTS_EXECUTED: OffloadingCounterMetadata(
+            documentation="Orchestrator KV hint actions (vLLM 0.33 kv_hints) aiokvo "
+            "carried out (docs/vllm.md, Orchestrator hints)."
+        ),
         KV_HINTS_IGNORED: OffloadingCounterMetadata(
-            documentation="Requests whose orchestrator KV hints (vLLM 0.33 kv_hints) "
-            "aiokvo's spec did not act on."
+            documentation="Well-formed orchestrator KV hint actions aiokvo's spec did not "
+            "act on: an unknown type or version, or an action that needs a tier."
+        ),
+        KV_HINTS_INVALID: OffloadingCounterMetadata(
+            documentation="Orchestrator KV hint actions of a known type with a bad payload "
+            "(logged once per type and reason)."
         ),
     }
     if store_threshold(extra_config) >= 2:

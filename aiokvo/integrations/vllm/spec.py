@@ -33,6 +33,7 @@ from aiokvo.integrations.vllm.metrics import (
     store_threshold,
 )
 from aiokvo.integrations.vllm.worker import AiokvoOffloadingWorker, LoadFailurePolicy
+from aiokvo.manager.retention import Retention
 from aiokvo.offloading_spec import CPUOffloadingSpec
 
 if TYPE_CHECKING:
@@ -113,6 +114,7 @@ def offload_config(config: Any) -> OffloadConfig:
         world_size=world,
         rank=int(parallel.rank) if world > 1 else 0,
         instance_id=str(config.engine_id) if world > 1 else None,
+        retention_fraction=float(extra.get("aiokvo_retention_fraction", 0.25)),
     )
 
 
@@ -220,12 +222,15 @@ class AiokvoOffloadingSpec(VllmOffloadingSpec):  # type: ignore[misc]
 
     def get_manager(self) -> AiokvoOffloadingManager:
         if self._manager is None:
-            inner = self.inner_spec_class(self.aiokvo_config)
+            config = self.aiokvo_config
+            inner = self.inner_spec_class(config)
+            budget = int(config.num_cpu_blocks * config.retention_fraction)
             self._manager = AiokvoOffloadingManager(
                 inner.get_manager(),
                 self._store_failures(),
                 config_info=self.config_info(),
-                enable_events=self.aiokvo_config.enable_events,
+                enable_events=config.enable_events,
+                retention=Retention(budget) if budget else None,
             )
         return self._manager
 
