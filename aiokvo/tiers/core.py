@@ -284,6 +284,11 @@ class TierCore(TierCounters):
     def _record(self, ticket: Ticket, outcomes: Outcomes, now: float) -> None:
         if ticket.timed_out:
             return  # counted when the deadline passed; a late outcome changes nothing
+        if Outcome.TIMEOUT in outcomes.status:
+            # The store saw the deadline first (a job that started after it does no I/O
+            # and ends at once, before the loop's timer): the same one timeout.
+            self.note_timeout(ticket, now)
+            return
         if any(status in STORE_FAILURES for status in outcomes.status):
             self.store_failures += 1
             self._record_failure(now)

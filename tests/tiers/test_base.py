@@ -95,3 +95,36 @@ def test_mooncake_statistics_read_its_causes_and_connections_from_the_shared_fie
         stats.bad_trailers, stats.pool_full,
     ] == [1, 2, 3, 4, 5, 6]  # fmt: skip
     assert MooncakeTierStatistics(medium="MOONCAKE").not_found == 0
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["disk", "mooncake"])
+@pytest.mark.parametrize("way", ["read", "write"])
+def test_a_job_that_saw_its_deadline_first_is_one_timeout(which: int, way: str) -> None:
+    """A job started after its deadline marks its blocks TIMEOUT and ends before the
+    loop's timer fires: it is a timeout (not a store failure), counted once whichever
+    side saw it first."""
+    from aiokvo.errors import TierTimeoutError
+    from aiokvo.tiers.outcome import Outcome
+
+    core = _cores()[which]
+    keys = [make_offload_key(bytes([i]) * 8, 0) for i in range(2)]
+    if way == "read":
+        store = core.prepare_write(keys, 0.0)
+        assert store is not None
+        for i in range(len(keys)):
+            store.spec.outcomes.ok(i)  # type: ignore[attr-defined]
+        core.complete_write(store, error=None, now=0.0)
+        job: object = core.prepare_read(keys, 0.0)
+    else:
+        job = core.prepare_write(keys, 0.0)
+    assert job is not None
+    spec = job.spec  # type: ignore[attr-defined]
+    spec.outcomes.fail_rest(Outcome.TIMEOUT, TierTimeoutError("started past its deadline"))
+    if way == "read":
+        core.complete_read(job, error=None, now=0.1)  # type: ignore[arg-type]
+    else:
+        core.complete_write(job, error=None, now=0.1)  # type: ignore[arg-type]
+    assert (core.timeouts, core.store_failures) == (1, 0)
+    core.note_timeout(job.state, 0.2)  # type: ignore[attr-defined]  # the timer, late
+    assert core.timeouts == 1
+    assert core.breaker.statistics(0.2).failures == 1
