@@ -155,6 +155,15 @@ def lazy_export(namespace: MutableMapping[str, Any], where: Mapping[str, str], n
     return value
 
 
+def missing_extra(exc: ModuleNotFoundError, what: str, extra: str) -> ModuleNotFoundError:
+    """The error for ``what`` importing an optional module that is not installed: it
+    names the extra that installs it (raise it ``from exc``)."""
+    return ModuleNotFoundError(
+        f"{what} needs {exc.name}, which is not installed: pip install 'aiokvo[{extra}]'",
+        name=exc.name,
+    )
+
+
 _FIELD_DOCS: dict[type, dict[str, str]] = {}
 
 

@@ -121,12 +121,18 @@ def test_the_declared_torch_range_is_the_tested_one() -> None:
     assert SpecifierSet(readme.group(1)) == declared
 
 
-def test_an_extra_that_is_missing_is_named() -> None:
-    """``from aiokvo.tiers import DiskTier`` without xxhash says ``aiokvo[disk]``."""
+@pytest.mark.parametrize(("statement", "extra"), [
+    ("from aiokvo.tiers import DiskTier", "disk"),
+    ("import aiokvo.tiers.disk.store", "disk"),
+    ("import aiokvo.tiers.mooncake.format", "mooncake"),
+])  # fmt: skip
+def test_an_extra_that_is_missing_is_named(statement: str, extra: str) -> None:
+    """Importing a tier without xxhash, by its public name or its module, names the
+    extra that installs it."""
     code = (
         "import sys; sys.modules['xxhash'] = None\n"
         "try:\n"
-        "    from aiokvo.tiers import DiskTier\n"
+        f"    {statement}\n"
         "except ImportError as exc:\n"
         "    print(type(exc).__name__, exc.name, exc)\n"
     )
@@ -134,4 +140,4 @@ def test_an_extra_that_is_missing_is_named() -> None:
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ModuleNotFoundError xxhash "), out.stdout
-    assert "pip install 'aiokvo[disk]'" in out.stdout
+    assert f"pip install 'aiokvo[{extra}]'" in out.stdout

@@ -1,4 +1,5 @@
-"""``aiokvo`` / ``python -m aiokvo.telemetry``: command-line tools (``watch``, ``replay``)."""
+"""``aiokvo`` / ``python -m aiokvo.telemetry``: command-line tools (``watch``, ``replay``,
+``disk``)."""
 
 from __future__ import annotations
 
@@ -44,13 +45,16 @@ def _parser() -> argparse.ArgumentParser:
     from aiokvo.lab.cli import add_replay_command  # the policy lab: aiokvo replay
 
     add_replay_command(commands)
+    from aiokvo.tiers.disk.cli import add_disk_command  # aiokvo disk ls / prune
+
+    add_disk_command(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.command == "replay":
+    if args.command in ("replay", "disk"):
         return int(args.handler(args))
     from aiokvo.telemetry.watch import watch
 

@@ -17,7 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import xxhash
+try:
+    import xxhash
+except ModuleNotFoundError as exc:  # an optional dependency: say which extra brings it
+    from aiokvo._util import missing_extra
+
+    raise missing_extra(exc, "aiokvo.tiers.checksum", "disk") from exc
 
 __all__ = ["BATCH_BYTES", "OVERLAP_MIN_BYTES", "OverlappedChecksums", "hash_each", "xxh3"]
 

@@ -164,6 +164,7 @@ HANDLER_OPTIONS: Mapping[str, Callable[[object], object]] = {
     "copy_fn": _callable_or_none("copy_fn"),
     "inline_after": _seconds_or_none("inline_after"),
     "split_min_bytes": _int_option("split_min_bytes", 0),
+    "inline_below_bytes": _int_option("inline_below_bytes", 0),
     # CUDA backend
     "engine": _engine,
     "kernel_below_bytes": _int_option("kernel_below_bytes", 0),

@@ -23,7 +23,12 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-import xxhash
+try:
+    import xxhash
+except ModuleNotFoundError as exc:  # an optional dependency: say which extra brings it
+    from aiokvo._util import missing_extra
+
+    raise missing_extra(exc, "the disk tier", "disk") from exc
 
 from aiokvo.errors import ConfigError
 from aiokvo.keys import MAX_KEY_BYTES, OffloadKey

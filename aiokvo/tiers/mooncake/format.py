@@ -37,7 +37,13 @@ import struct
 from collections.abc import Sequence
 
 import numpy as np
-import xxhash
+
+try:
+    import xxhash
+except ModuleNotFoundError as exc:  # an optional dependency: say which extra brings it
+    from aiokvo._util import missing_extra
+
+    raise missing_extra(exc, "the Mooncake tier", "mooncake") from exc
 
 from aiokvo.keys import OffloadKey
 from aiokvo.tiers.outcome import Outcome
