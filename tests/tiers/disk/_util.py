@@ -135,6 +135,7 @@ class FaultyIO(FileIO):
         self.written = 0
         self.syncs = 0
         self.reads = 0
+        self.stalled_reads = 0  # preadv calls that found the read gate closed
         self.writes = 0
         self.reader_threads: set[str] = set()  # names of the threads that called preadv
 
@@ -151,6 +152,8 @@ class FaultyIO(FileIO):
         return super().pwritev(fd, buffers, offset)
 
     def preadv(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
+        if not self.read_gate.is_set():
+            self.stalled_reads += 1
         if not self.read_gate.wait(60):
             raise TimeoutError("the test never opened the read gate")
         self.reads += 1

@@ -330,18 +330,25 @@ async def test_a_failing_disk_is_taken_out_and_tried_again_later(disk_tier_path:
 
 async def test_a_stalled_disk_times_out_while_the_cpu_pool_serves(disk_tier_path: Path) -> None:
     kv = KV()
-    io = FaultyIO()
     ks = keys("s", 8)
-    async with offloader(
-        kv, disk_tier_path, cpu_blocks=8, file_io=io, io_timeout=0.05, failure_threshold=1
-    ) as off:
+    # The blocks go to disk under the default deadline: a short one would let a busy
+    # disk time a write out, open the breaker and leave nothing to stall on.
+    async with offloader(kv, disk_tier_path, cpu_blocks=8) as off:
         await fill(off, kv, ks[:4])
-        await fill(off, kv, ks[4:], start=4)
-        await fill(off, kv, keys("later", 4), start=8)  # ks[:4] now on disk only
+    io = FaultyIO()
+    # A second process on the same root, with a deadline short enough to wait out but
+    # long enough for its read thread to reach the disk (a read not started by then
+    # is never started, and nothing would stall); admit_after=2: no writes in it.
+    async with offloader(
+        kv, disk_tier_path, cpu_blocks=8, file_io=io, io_timeout=1.0, failure_threshold=1,
+        admit_after=2,
+    ) as off:  # fmt: skip
+        await fill(off, kv, ks[4:], start=4)  # ks[:4] on disk only, ks[4:] in the pool
+        assert off.statistics().tiers[0].blocks_written == 0
         io.read_gate.clear()  # the disk stalls
         # The promotion hangs on the disk; the load returns what the pool has at the deadline.
         n = await asyncio.wait_for(off.load_prefix(ks, list(range(20, 28))), 60)
-        assert n == 0 and io.reads == 0
+        assert n == 0 and io.reads == 0 and io.stalled_reads == 1
         stats = off.statistics()
         assert stats.promotion_timeouts == 1
         assert stats.tiers[0].timeouts == 1 and stats.tiers[0].breaker.state == "open"
