@@ -20,6 +20,13 @@ from aiokvo.tiers import DiskTier, FileIO
 
 BLOCK_TOKENS = 16
 
+STALL_DEADLINE = 1.0
+"""``io_timeout`` for a tier whose reads a test stalls on purpose: the test waits it
+out once, and a loaded machine's read threads reach the stalled call well before it
+(a read not started by its deadline is never started, and nothing would stall).
+Fill such a tier's blocks in under the default deadline, from another tier on the
+same root: a short one lets a busy disk time a write out."""
+
 
 def key(name: str, group: int = 0) -> OffloadKey:
     return make_offload_key(hashlib.blake2b(name.encode(), digest_size=16).digest(), group)
@@ -138,6 +145,9 @@ class FaultyIO(FileIO):
         self.stalled_reads = 0  # preadv calls that found the read gate closed
         self.writes = 0
         self.reader_threads: set[str] = set()  # names of the threads that called preadv
+        # While set, each thread's first preadv waits here for the others: a read shared
+        # by n threads needs n at once, however the pool hands its shares out.
+        self.rendezvous: threading.Barrier | None = None
 
     def pwritev(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
         if not self.write_gate.wait(60):
@@ -157,7 +167,11 @@ class FaultyIO(FileIO):
         if not self.read_gate.wait(60):
             raise TimeoutError("the test never opened the read gate")
         self.reads += 1
-        self.reader_threads.add(threading.current_thread().name)
+        name = threading.current_thread().name
+        first, rendezvous = name not in self.reader_threads, self.rendezvous
+        self.reader_threads.add(name)
+        if first and rendezvous is not None:
+            rendezvous.wait()
         if self.fail_reads is not None:
             raise OSError(self.fail_reads, os.strerror(self.fail_reads))
         return super().preadv(fd, buffers, offset)

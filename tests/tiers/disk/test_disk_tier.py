@@ -6,6 +6,7 @@ import asyncio
 import errno
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,15 @@ from aiokvo.keys import OffloadKey
 from aiokvo.tiers import DiskTier, DiskTierConfig
 from aiokvo.tiers.disk.format import ENTRY_BYTES, HEADER_PAGE
 from aiokvo.tiers.disk.runs import IOV_MAX
-from tests.tiers.disk._util import KV, FaultyIO, data_file, fill, keys, offloader
+from tests.tiers.disk._util import (
+    KV,
+    STALL_DEADLINE,
+    FaultyIO,
+    data_file,
+    fill,
+    keys,
+    offloader,
+)
 
 
 def drain_events(sub: EventSubscription) -> list[OffloadingEvent]:
@@ -195,7 +204,11 @@ async def test_a_big_promotion_read_by_several_threads_verifies_every_block(
             f.write(bytes([byte[0] ^ 0x01]))
         kv.clear(range(64))
         reads, io.reader_threads = io.reads, set()
+        # Each share on its own thread, all at once (a pool thread that finished one
+        # share could otherwise take the next on a loaded machine).
+        io.rendezvous = threading.Barrier(read_threads, timeout=60)
         assert await off.load_prefix(ks[:16], list(range(40, 56))) == 12
+        io.rendezvous = None
         assert kv.holds(range(40, 52), ks[:12])
         assert io.reads - reads == 16  # every block was read (and all but one verified good)
         assert len(io.reader_threads) == read_threads
@@ -331,17 +344,12 @@ async def test_a_failing_disk_is_taken_out_and_tried_again_later(disk_tier_path:
 async def test_a_stalled_disk_times_out_while_the_cpu_pool_serves(disk_tier_path: Path) -> None:
     kv = KV()
     ks = keys("s", 8)
-    # The blocks go to disk under the default deadline: a short one would let a busy
-    # disk time a write out, open the breaker and leave nothing to stall on.
-    async with offloader(kv, disk_tier_path, cpu_blocks=8) as off:
+    async with offloader(kv, disk_tier_path, cpu_blocks=8) as off:  # see STALL_DEADLINE
         await fill(off, kv, ks[:4])
     io = FaultyIO()
-    # A second process on the same root, with a deadline short enough to wait out but
-    # long enough for its read thread to reach the disk (a read not started by then
-    # is never started, and nothing would stall); admit_after=2: no writes in it.
-    async with offloader(
-        kv, disk_tier_path, cpu_blocks=8, file_io=io, io_timeout=1.0, failure_threshold=1,
-        admit_after=2,
+    async with offloader(  # admit_after=2: this one writes nothing
+        kv, disk_tier_path, cpu_blocks=8, file_io=io, io_timeout=STALL_DEADLINE,
+        failure_threshold=1, admit_after=2,
     ) as off:  # fmt: skip
         await fill(off, kv, ks[4:], start=4)  # ks[:4] on disk only, ks[4:] in the pool
         assert off.statistics().tiers[0].blocks_written == 0
