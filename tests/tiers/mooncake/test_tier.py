@@ -210,12 +210,16 @@ async def test_a_transfer_past_its_deadline_keeps_its_cpu_blocks_until_the_call_
 ) -> None:
     kv = KV(64)
     (k,) = keys("a")
-    async with replica(fake_tier(cluster, io_timeout=0.05), kv) as off:
+    # A deadline the put's thread surely starts within on a loaded machine (a put
+    # not started by its deadline is never made: nothing would be overdue), and
+    # short enough to wait out.
+    async with replica(fake_tier(cluster, io_timeout=1.0), kv) as off:
         cluster.block()
         try:
             kv.write([0], [k])
             await off.store([k], [0])
             await eventually(lambda: mooncake_stats(off).timeouts == 1, "the overdue put")
+            assert cluster.calls.put == 1  # it is inside the hung cluster
             status = off.manager.block_status(k)
             assert status is not None and status.ref_cnt > 0  # Mooncake may still read it
         finally:
