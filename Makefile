@@ -9,7 +9,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # The vLLM the integration is tested against (aiokvo[vllm] pins the same range).
 VLLM_VERSION := 0.32.0
 
-.PHONY: demo test lint unit system-deps test-vllm bench bench-vllm bench-peer clean
+.PHONY: demo test quick lint unit system-deps test-vllm bench bench-vllm bench-peer clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,12 @@ system-deps:
 
 unit: $(STAMP) system-deps
 	$(BIN)/pytest -q
+
+# The work loop's lane: the suite without the tests marked `system` (clusters,
+# processes, real filesystems; tests/conftest.py enforces the marker), no lint,
+# no vLLM venv. `make test` still runs everything.
+quick: $(STAMP)
+	$(BIN)/pytest -q -m "not system"
 
 # vLLM's CPU build in its own venv (scripts/vllm_venv.sh): the integration tests, the
 # engine-loop harness, the shadow check and vLLM's own offload tests run there, with

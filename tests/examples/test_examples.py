@@ -108,6 +108,7 @@ def _mooncake_hits(block: str) -> int:
     return int(block.split("hits by tier")[1].split("MOONCAKE")[1].split()[0])
 
 
+@pytest.mark.system
 def test_quickstart_demo_starts_a_local_mooncake_cluster_shared_by_replicas(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -129,6 +130,7 @@ def test_quickstart_demo_starts_a_local_mooncake_cluster_shared_by_replicas(
         assert "mooncake tier" in block and "breaker closed" in block
 
 
+@pytest.mark.system
 def test_quickstart_demo_uses_a_running_mooncake_cluster(
     capsys: pytest.CaptureFixture[str], mooncake_cluster: object
 ) -> None:

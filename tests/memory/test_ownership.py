@@ -55,6 +55,7 @@ def test_a_pid_from_another_namespace_is_presumed_alive() -> None:
     assert dataclasses.replace(me, pid=dead_pid(), pid_namespace=me.pid_namespace + 1).is_alive()
 
 
+@pytest.mark.system
 def test_a_killed_unreaped_child_is_dead() -> None:
     with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as child:
         identity = OwnerIdentity.of_process(child.pid)

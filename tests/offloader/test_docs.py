@@ -22,6 +22,7 @@ def test_the_page_has_runnable_blocks() -> None:
     assert BLOCKS
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.splitlines()[-1][:40])
 def test_block_runs(block: str) -> None:
     out = subprocess.run(

@@ -35,6 +35,7 @@ async def run_watch(*args: str, env: dict[str, str] | None = None) -> tuple[int,
     return proc.returncode, out.decode()
 
 
+@pytest.mark.system
 async def test_watch_scrapes_a_metrics_endpoint_and_prints_plain_lines_when_piped(
     offloader: tuple[Offloader, KV, Copies],
 ) -> None:
@@ -55,6 +56,7 @@ async def test_watch_scrapes_a_metrics_endpoint_and_prints_plain_lines_when_pipe
         assert "hit      -" in line  # no lookups while it watched
 
 
+@pytest.mark.system
 async def test_watch_redraws_a_table_on_a_terminal(
     offloader: tuple[Offloader, KV, Copies],
 ) -> None:
@@ -71,6 +73,7 @@ async def test_watch_redraws_a_table_on_a_terminal(
     assert out.count(f"aiokvo  {server.url}") >= 2  # several frames were drawn
 
 
+@pytest.mark.system
 async def test_watch_catches_up_from_the_replay_socket_then_follows_live_events(
     offloader: tuple[Offloader, KV, Copies],
 ) -> None:

@@ -21,6 +21,8 @@ from tests.integrations.vllm.harness import (
     run_scenario,
 )
 
+pytestmark = pytest.mark.system  # vLLM's real engine loop
+
 STORE_FAILURES = "vllm:kv_offload_aiokvo_store_failures"
 
 

@@ -24,6 +24,8 @@ from aiokvo.manager.reuse import FilterReusedOffloadingManager
 from tests.integrations.vllm.harness import SHADOW_SPEC, run_scenario
 from tests.integrations.vllm.specs import ShadowManager
 
+pytestmark = pytest.mark.system  # vLLM's real scheduler, long random sequences
+
 
 @pytest.mark.parametrize(
     ("scheduler", "policy", "bpc", "threshold", "slow"),

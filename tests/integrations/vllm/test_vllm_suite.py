@@ -23,6 +23,8 @@ import pytest
 
 from tests.integrations.vllm.vllm_suite.aiokvo_vllm_suite import VLLM_INTERNALS
 
+pytestmark = pytest.mark.system  # vLLM's own tests, in a child pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 SDIST = Path(os.environ.get("AIOKVO_VLLM_SDIST", ROOT / ".vllm-venv" / "sdist" / "vllm-0.32.0"))
 SUITES = ["tests/v1/kv_offload/cpu/test_manager.py",

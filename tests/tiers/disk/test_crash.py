@@ -16,6 +16,8 @@ import pytest
 from aiokvo.tiers import DiskTier
 from tests.tiers.disk._util import KV, keys, offloader
 
+pytestmark = pytest.mark.system
+
 REPO = Path(__file__).resolve().parents[3]
 
 CHILD = textwrap.dedent(

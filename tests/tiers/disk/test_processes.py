@@ -14,9 +14,13 @@ import contextlib
 import sys
 from pathlib import Path
 
+import pytest
+
 from aiokvo.tiers import DiskTier
 from tests.tiers.disk import _peer
 from tests.tiers.disk._util import KV
+
+pytestmark = pytest.mark.system
 
 REPO = Path(__file__).resolve().parents[3]
 PATIENCE = 60.0  # seconds for any one step of the other process (it imports torch)
