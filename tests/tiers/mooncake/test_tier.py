@@ -334,10 +334,12 @@ async def test_a_promotion_that_ends_while_the_next_tier_looks_up_is_not_waited_
     kv_w = KV(64)
     async with replica(fake_tier(cluster), kv_w) as writer:
         await store_on(writer, kv_w, c_d)
+    # Deadlines nothing here should reach, however slow the machine: the lookup is
+    # held until the disk promotion ends, and neither may time out meanwhile.
     disk = DiskTier(disk_tier_path, capacity_bytes=1 << 20, model_id="test-model",
-                    io_timeout=2.0, refresh_interval=0)  # fmt: skip
+                    io_timeout=30.0, refresh_interval=0)  # fmt: skip
     kv = KV(64)
-    off = Offloader(kv.config(4), kv.caches, tiers=[disk, fake_tier(cluster)])
+    off = Offloader(kv.config(4), kv.caches, tiers=[disk, fake_tier(cluster, lookup_timeout=30.0)])
     async with off:
         await store_on(off, kv, a_b)
         await store_on(off, kv, keys("e", "f", "g", "h"), first_block=2)  # a, b leave the pool
