@@ -14,7 +14,7 @@ VLLM033_VENV := .vllm033-venv
 VLLM033_STAMP := $(VLLM033_VENV)/.installed
 VLLM033_VERSION := 0.33.0
 
-.PHONY: demo test lint unit system-deps test-vllm bench bench-vllm bench-peer clean
+.PHONY: demo test quick lint unit system-deps test-vllm bench bench-vllm bench-peer clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,6 +39,12 @@ system-deps:
 
 unit: $(STAMP) system-deps
 	$(BIN)/pytest -q
+
+# The work loop's lane: the suite without the tests marked `system` (clusters,
+# processes, real filesystems; tests/conftest.py enforces the marker), no lint,
+# no vLLM venv. `make test` still runs everything.
+quick: $(STAMP)
+	$(BIN)/pytest -q -m "not system"
 
 # vLLM's CPU build in its own venv (scripts/vllm_venv.sh): the integration tests, the
 # engine-loop harness, the shadow check and vLLM's own offload tests run there, with

@@ -1,5 +1,6 @@
 """The suite's hang guard: a watchdog turns a hung test into a failure with
-every thread's stack.
+every thread's stack; and the fast lane's guard: a test that starts a
+process must carry the ``system`` marker (``make quick`` leaves those out).
 
 Everything a user's suite could want too lives in aiokvo's pytest plugin
 (``aiokvo.testing``), which this suite uses like any other: the ``gpu``
@@ -16,12 +17,14 @@ import faulthandler
 import importlib.metadata
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Mapping
 from types import FrameType
+from typing import Any
 
 import pytest
 
@@ -157,6 +160,7 @@ _watchdog: _Watchdog | None = None
 
 def pytest_configure(config: pytest.Config) -> None:
     global _watchdog
+    _guard_process_starts()
     limit = float(os.environ.get(TEST_TIMEOUT_ENV) or DEFAULT_TEST_TIMEOUT)
     if limit > 0 and hasattr(signal, "pthread_kill"):
         _watchdog = _Watchdog(limit, os.dup(sys.__stderr__.fileno() if sys.__stderr__ else 2))
@@ -174,7 +178,12 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
-    return (yield from _guarded(item.nodeid))
+    global _unmarked
+    _unmarked = None if item.get_closest_marker("system") else item.nodeid
+    try:
+        return (yield from _guarded(item.nodeid))
+    finally:
+        _unmarked = None
 
 
 @pytest.hookimpl(wrapper=True)
@@ -190,3 +199,61 @@ def _guarded(what: str) -> Generator[None, None, None]:
         return (yield)
     finally:
         _watchdog.disarm()
+
+
+# -- fast-lane guard ------------------------------------------------------------
+# `make quick` runs `pytest -m "not system"`: the tests that start clusters,
+# processes or real filesystems carry @pytest.mark.system. So that the lane
+# stays what it says, a test without the marker that starts a process (a
+# Mooncake cluster, a child interpreter, pytester's subprocess runs) fails
+# here, naming the marker, in every lane.
+
+_unmarked: str | None = None  # the node id of the running test, if not marked system
+
+
+class UnmarkedSystemTest(BaseException):
+    """A test without ``@pytest.mark.system`` started a process.
+
+    A ``BaseException``, so that code under test that catches ``OSError`` or
+    ``Exception`` around a process start cannot hide it.
+    """
+
+
+# Quick probes that libraries run for themselves (platform.processor() runs
+# `uname -p` once a process, ctypes.util.find_library runs `ldconfig -p`): not
+# what the marker is about, and whichever test happens to run first would trip.
+_INCIDENTAL = frozenset({"uname", "ldconfig"})
+
+
+def _refuse_unmarked(what: str, argv0: object = None) -> None:
+    nodeid = _unmarked
+    if nodeid is not None and os.path.basename(str(argv0)) not in _INCIDENTAL:
+        raise UnmarkedSystemTest(
+            f"{nodeid} starts a process ({what}): mark it @pytest.mark.system "
+            "(make quick leaves those out)"
+        )
+
+
+def _guard_process_starts() -> None:
+    """Route ``subprocess`` and ``asyncio`` process starts through the check (once)."""
+    if getattr(subprocess.Popen, "_aiokvo_guarded", False):
+        return
+    execute_child = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+
+    def guarded_execute_child(self: subprocess.Popen[Any], args: Any, *rest: Any) -> Any:
+        argv0 = args.split(maxsplit=1)[0] if isinstance(args, str) else next(iter(args), None)
+        _refuse_unmarked(f"subprocess: {args!r:.80}", argv0)
+        return execute_child(self, args, *rest)
+
+    subprocess.Popen._execute_child = guarded_execute_child  # type: ignore[attr-defined]
+    subprocess.Popen._aiokvo_guarded = True  # type: ignore[attr-defined]
+    # uvloop starts processes without subprocess.Popen: guard asyncio's entry points.
+    for name in ("create_subprocess_exec", "create_subprocess_shell"):
+        start = getattr(asyncio, name)
+
+        async def guarded_start(*args: Any, _start: Any = start, **kwargs: Any) -> Any:
+            _refuse_unmarked(f"asyncio: {args!r:.80}", args[0] if args else None)
+            return await _start(*args, **kwargs)
+
+        setattr(asyncio, name, guarded_start)
+        setattr(asyncio.subprocess, name, guarded_start)

@@ -632,6 +632,7 @@ RANK_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("factor", [1, 2])
 @pytest.mark.parametrize("backend", ["host", "cuda"])
 def test_two_ranks_in_two_processes_share_one_region_as_their_pool(

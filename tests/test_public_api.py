@@ -50,6 +50,7 @@ def test_subpackages_export_their_parts() -> None:
     assert issubclass(aiokvo.errors.CudaError, aiokvo.errors.AiokvoError)
 
 
+@pytest.mark.system
 def test_the_core_imports_neither_asyncio_torch_nor_cuda() -> None:
     code = (
         "import sys, aiokvo.manager, aiokvo.keys, aiokvo.specs\n"
@@ -63,6 +64,7 @@ def test_the_core_imports_neither_asyncio_torch_nor_cuda() -> None:
     assert out.stdout.strip() == ""
 
 
+@pytest.mark.system
 def test_readme_quick_start_runs_as_written() -> None:
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)

@@ -98,6 +98,25 @@ def leaked_threads(
         alive[0].join(min(left, 0.05))
 
 
+def _driver_leaks(driver: Any, *, wait: float) -> list[str]:
+    """What a fake driver still holds, waiting up to ``wait`` s for waiter threads
+    the loop outran to hand their handles back (see :func:`assert_no_leaks`)."""
+    driver.current_stream()  # make sure it exists, so that it can be left out
+    deadline = time.monotonic() + wait
+    while True:
+        problems: list[str] = []
+        counts = {"streams": driver.live_streams - 1, "events": driver.live_events,
+                  "host allocations": driver.live_host_allocations}
+        for what, count in counts.items():
+            if count:
+                problems.append(f"fake driver: {count} {what} still alive")
+        if driver.registered:
+            problems.append(f"fake driver: host memory still registered: {driver.registered!r}")
+        if not problems or time.monotonic() >= deadline:
+            return problems
+        time.sleep(0.005)
+
+
 def offloader_leaks(offloader: _Offloader) -> list[str]:
     """What an :class:`~aiokvo.Offloader` still holds that finished work should have let go.
 
@@ -152,7 +171,10 @@ def assert_no_leaks(
     * ``driver`` (a :class:`~aiokvo.device.fake.FakeDriver`): no stream,
       event, pinned registration or host allocation is still alive (the
       framework's current stream, ``driver.current_stream()``, is torch's,
-      not aiokvo's, and is not counted).
+      not aiokvo's, and is not counted). A transfer the loop saw finish
+      while a poller's waiter thread was still inside
+      ``cudaEventSynchronize`` hands its stream and events back as that
+      thread leaves the driver: they get ``thread_wait`` seconds too.
     * ``threads``: no thread named ``aiokvo-*`` is still running (each may
       take ``thread_wait`` seconds to finish after its owner closed), except
       the event poller's waiters (``aiokvo-waiter-*``), which serve the loop.
@@ -187,14 +209,7 @@ def assert_no_leaks(
     if offloader is not None:
         problems += offloader_leaks(offloader)
     if driver is not None:
-        driver.current_stream()  # make sure it exists, so that it can be left out
-        counts = {"streams": driver.live_streams - 1, "events": driver.live_events,
-                  "host allocations": driver.live_host_allocations}
-        for what, count in counts.items():
-            if count:
-                problems.append(f"fake driver: {count} {what} still alive")
-        if driver.registered:
-            problems.append(f"fake driver: host memory still registered: {driver.registered!r}")
+        problems += _driver_leaks(driver, wait=thread_wait)
     if threads:
         alive = leaked_threads(wait=thread_wait, ignore=ignore_threads)
         if alive:

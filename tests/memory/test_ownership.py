@@ -56,6 +56,7 @@ def test_a_pid_from_another_namespace_is_presumed_alive() -> None:
     assert dataclasses.replace(me, pid=dead_pid(), pid_namespace=me.pid_namespace + 1).is_alive()
 
 
+@pytest.mark.system
 def test_a_killed_unreaped_child_is_dead() -> None:
     with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as child:
         identity = OwnerIdentity.of_process(child.pid)
@@ -295,6 +296,19 @@ def test_lock_is_exclusive_and_times_out(tmp_path: Path) -> None:
     assert not path.exists()
 
 
+def _descriptors_on(path: Path) -> int:
+    """How many of this process's descriptors are open on the file ``path`` names."""
+    target = os.stat(path)
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            info = os.stat(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (the listing's own descriptor, too)
+            continue
+        count += (info.st_dev, info.st_ino) == (target.st_dev, target.st_ino)
+    return count
+
+
 def test_a_waiter_never_keeps_a_lock_file_that_was_removed(tmp_path: Path) -> None:
     """The holder unlinks the lock file; the waiter, which had opened that inode,
     must lock the new file at the path, not the orphan."""
@@ -306,7 +320,10 @@ def test_a_waiter_never_keeps_a_lock_file_that_was_removed(tmp_path: Path) -> No
         target=lambda: got.append(FileLock.acquire(path, deadline=time.monotonic() + 10))
     )
     waiter.start()
-    time.sleep(0.05)  # the waiter is polling the old inode
+    deadline = time.monotonic() + 30
+    while _descriptors_on(path) < 2:  # until the waiter polls the old inode (not a sleep:
+        assert time.monotonic() < deadline  # a slow machine would test nothing)
+        time.sleep(0.001)
     holder.release(unlink=True)
     waiter.join()
     (lock,) = got

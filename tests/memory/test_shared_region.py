@@ -138,6 +138,7 @@ def wait_until_reaped_or_zombie(pid: int) -> None:
     raise AssertionError(f"pid {pid} did not die")
 
 
+@pytest.mark.system
 def test_two_processes_share_interleaved_rows_then_killed_creator_is_replaced(iid: str) -> None:
     nb, pbr, l0, l1 = 6, 3000, 1000, 1500  # page-unaligned on purpose
     mmap_path, lock_path = paths(iid)

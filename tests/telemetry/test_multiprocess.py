@@ -15,7 +15,10 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.system
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -69,6 +69,7 @@ def test_bad_marker_arguments_are_named(
         requirement(*args, "t.py::t")
 
 
+@pytest.mark.system
 def test_the_probe_agrees_with_the_cuda_runtime_in_a_child() -> None:
     inventory = probe_gpus()
     code = ("from aiokvo.device.driver import cuda_device_count; print(cuda_device_count())")
@@ -81,6 +82,7 @@ def test_the_probe_agrees_with_the_cuda_runtime_in_a_child() -> None:
         assert inventory.note  # says why: no cuda-python, no driver, ...
 
 
+@pytest.mark.system
 def test_a_broken_interpreter_reads_as_no_gpu_with_the_reason() -> None:
     inventory = probe_gpus(python="/nonexistent/python")
     assert inventory.devices == ()

@@ -66,7 +66,7 @@ def test_the_fake_driver_reports_what_is_still_alive() -> None:
         pinned = PinnedHostTensor(2, 64, driver=driver)
         stream = driver.stream_create()
         with pytest.raises(AssertionError) as caught:
-            assert_no_leaks(driver=driver, threads=False)
+            assert_no_leaks(driver=driver, threads=False, thread_wait=0)
         assert "fake driver: 1 streams still alive" in str(caught.value)
         assert "host memory still registered" in str(caught.value)
         driver.stream_destroy(stream)

@@ -20,6 +20,7 @@ def test_cluster(mooncake_cluster):
 """
 
 
+@pytest.mark.system
 def test_the_fixture_starts_a_cluster_and_stops_every_process_by_pid(
     pytester: pytest.Pytester,
 ) -> None:
@@ -48,6 +49,7 @@ def without_mooncake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AIOKVO_REQUIRE_MOONCAKE", raising=False)
 
 
+@pytest.mark.system
 @pytest.mark.usefixtures("without_mooncake")
 def test_without_mooncake_the_test_is_skipped_saying_what_is_missing(
     pytester: pytest.Pytester,
@@ -58,6 +60,7 @@ def test_without_mooncake_the_test_is_skipped_saying_what_is_missing(
     result.stdout.fnmatch_lines(["*a Mooncake cluster needs a working mooncake.store*libibverbs*"])
 
 
+@pytest.mark.system
 @pytest.mark.usefixtures("without_mooncake")
 def test_on_ci_a_missing_mooncake_fails_instead(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch

@@ -84,6 +84,7 @@ def test_a_lease_never_released_fails_the_test_that_left_it(pytester: pytest.Pyt
     ])
 
 
+@pytest.mark.system
 def test_without_pytest_asyncio_the_fixtures_say_what_to_install(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

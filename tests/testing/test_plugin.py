@@ -50,6 +50,7 @@ def test_markers_are_registered(pytester: pytest.Pytester) -> None:
     result.stdout.no_fnmatch_line("@pytest.mark.gpu(n=1):*")  # no short names by default
 
 
+@pytest.mark.system
 def test_gpu_tests_run_or_skip_by_what_the_probe_finds(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("""
         import pytest
@@ -126,6 +127,7 @@ def test_no_gpu_marker_means_no_probe(pytester: pytest.Pytester) -> None:
     pytester.runpytest().assert_outcomes(passed=1)
 
 
+@pytest.mark.system
 def test_deciding_skips_loads_neither_torch_nor_cuda(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("""
         import sys

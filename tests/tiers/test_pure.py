@@ -101,6 +101,7 @@ def test_fingerprint_payload_is_the_group_rows() -> None:
         _fingerprint(model_id="")
 
 
+@pytest.mark.system
 def test_pure_parts_import_without_asyncio_or_torch() -> None:
     code = (
         "import sys\n"

@@ -142,6 +142,10 @@ class Harness:
     """vLLM's scheduler and both connector roles around :class:`FakeModel`."""
 
     def __init__(self, opts: Options, model_dir: Path) -> None:
+        from tests.integrations.vllm.specs import COPY_STEPS
+
+        self.copy_steps = COPY_STEPS  # slow_copy_steps copies count this harness's steps
+        COPY_STEPS.reset()
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -384,7 +388,11 @@ class Harness:
         if self.opts.pickle:
             meta = pickle.loads(pickle.dumps(meta))
         self.flushes += len(meta.jobs_to_flush)
-        self.wconn.handle_preemptions(meta)
+        if meta.jobs_to_flush:  # the worker waits for those stores here
+            with self.copy_steps.engine_waits():
+                self.wconn.handle_preemptions(meta)
+        else:
+            self.wconn.handle_preemptions(meta)
         for bid in so.new_block_ids_to_zero or ():
             for name in self.layer_names:
                 self.kv[name][bid].zero_()
@@ -431,6 +439,7 @@ class Harness:
         """One EngineCore step; False once idle (async: output N-1 after scheduling N)."""
         so = mro = None
         if self.sched.has_requests():
+            self.copy_steps.tick()
             so = self.sched.schedule()
             self.steps += 1
             self.preemptions += len(getattr(so, "preempted_req_ids", ()) or ())
@@ -488,6 +497,7 @@ class Harness:
         return checked
 
     def close(self) -> None:
+        self.copy_steps.open()  # closing waits for the copies in flight
         self.wconn.shutdown()
         self.sched.shutdown()
 

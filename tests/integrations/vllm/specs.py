@@ -8,7 +8,8 @@ for the benchmark's native side.
 the fake CUDA driver (the "GPU" tensors are the harness's CPU tensors).
 
 ``SlowCopyAiokvoOffloadingSpec``: aiokvo's spec whose host copies take
-``slow_copy_seconds`` (the handlers' ``copy_fn`` seam), so stores are still
+``slow_copy_seconds`` (the handlers' ``copy_fn`` seam), or last
+``slow_copy_steps`` engine steps (:data:`COPY_STEPS`), so stores are still
 in flight a step or two later: lookups see HIT_PENDING, reallocated blocks
 need flush fences. ``FailingCopyAiokvoOffloadingSpec``: every copy of
 ``fail_copies`` kind (store or load) fails.
@@ -21,6 +22,8 @@ ids, events, stats), records each difference, and answers with aiokvo's.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections import deque
 from collections.abc import Collection, Iterator, Sequence
@@ -113,12 +116,74 @@ class NativeCPUOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
         return self._worker
 
 
+class StepGate:
+    """Engine steps as slow copies see them, so that how long a copy stays in flight
+    does not depend on how fast the machine runs the steps.
+
+    A copy held at step ``s`` goes on once the harness has begun step ``s + n``,
+    or at once while the engine waits for copies (a flush fence, a reset) or
+    once the gate is opened (closing): those waits would otherwise never end.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._step = 0
+        self._waits = 0  # engine waits under way
+        self._open = False
+
+    def reset(self) -> None:
+        with self._cond:
+            self._step, self._waits, self._open = 0, 0, False
+
+    def tick(self) -> None:
+        with self._cond:
+            self._step += 1
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def engine_waits(self) -> Iterator[None]:
+        with self._cond:
+            self._waits += 1
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._waits -= 1
+
+    def open(self) -> None:
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()
+
+    def hold(self, steps: int) -> None:
+        with self._cond:
+            until = self._step + steps
+            if not self._cond.wait_for(
+                lambda: self._open or self._waits > 0 or self._step >= until, timeout=120
+            ):
+                raise TimeoutError(f"a copy held for {steps} steps: nothing stepped in 120 s")
+
+
+COPY_STEPS = StepGate()
+"""The gate of ``slow_copy_steps`` copies; the harness ticks, fences and opens it."""
+
+
 class SlowCopyAiokvoOffloadingSpec(AiokvoOffloadingSpec):  # type: ignore[misc]
     default_delay = 0.05
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
+        steps = int(self.extra_config.get("slow_copy_steps", 0))
         delay = float(self.extra_config.get("slow_copy_seconds", self.default_delay))
+        if steps > 0:
+
+            def copy_after_steps(copies: Any) -> None:
+                COPY_STEPS.hold(steps)
+                apply_host_copies(copies)
+
+            self.handler_options["copy_fn"] = copy_after_steps
+            return
         if delay <= 0:
             return
 

@@ -24,6 +24,8 @@ import vllm
 
 from tests.integrations.vllm.vllm_suite.aiokvo_vllm_suite import VLLM_033_LRU, VLLM_INTERNALS
 
+pytestmark = pytest.mark.system  # vLLM's own tests, in a child pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 VERSION = ".".join(vllm.__version__.split("+")[0].split(".")[:3])
 SDIST = Path(os.environ.get("AIOKVO_VLLM_SDIST", Path(sys.prefix) / "sdist" / f"vllm-{VERSION}"))

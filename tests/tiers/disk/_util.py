@@ -22,6 +22,13 @@ from aiokvo.tiers.engine import StoreTier
 
 BLOCK_TOKENS = 16
 
+STALL_DEADLINE = 1.0
+"""``io_timeout`` for a tier whose reads a test stalls on purpose: the test waits it
+out once, and a loaded machine's read threads reach the stalled call well before it
+(a read not started by its deadline is never started, and nothing would stall).
+Fill such a tier's blocks in under the default deadline, from another tier on the
+same root: a short one lets a busy disk time a write out."""
+
 
 def key(name: str, group: int = 0) -> OffloadKey:
     return make_offload_key(hashlib.blake2b(name.encode(), digest_size=16).digest(), group)
@@ -142,8 +149,12 @@ class FaultyIO(FileIO):
         self.written = 0
         self.syncs = 0
         self.reads = 0
+        self.stalled_reads = 0  # preadv calls that found the read gate closed
         self.writes = 0
         self.reader_threads: set[str] = set()  # names of the threads that called preadv
+        # While set, each thread's first preadv waits here for the others: a read shared
+        # by n threads needs n at once, however the pool hands its shares out.
+        self.rendezvous: threading.Barrier | None = None
 
     def pwritev(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
         if not self.write_gate.wait(60):
@@ -158,10 +169,17 @@ class FaultyIO(FileIO):
         return super().pwritev(fd, buffers, offset)
 
     def preadv(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
-        self.reader_threads.add(threading.current_thread().name)  # before the gate
+        name = threading.current_thread().name
+        first = name not in self.reader_threads
+        self.reader_threads.add(name)  # before the gate
+        if not self.read_gate.is_set():
+            self.stalled_reads += 1
         if not self.read_gate.wait(60):
             raise TimeoutError("the test never opened the read gate")
         self.reads += 1
+        rendezvous = self.rendezvous
+        if first and rendezvous is not None:
+            rendezvous.wait()
         if self.fail_reads is not None:
             raise OSError(self.fail_reads, os.strerror(self.fail_reads))
         return super().preadv(fd, buffers, offset)

@@ -15,6 +15,8 @@ import pytest
 
 from tests.tiers.disk._util import KV, is_disk_tier, keys, offloader
 
+pytestmark = pytest.mark.system
+
 REPO = Path(__file__).resolve().parents[3]
 
 CHILD = textwrap.dedent(

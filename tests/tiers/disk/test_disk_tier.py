@@ -7,6 +7,7 @@ import errno
 import os
 import shutil
 import stat
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,16 @@ from aiokvo.tiers import DiskTier, DiskTierConfig
 from aiokvo.tiers.disk.format import ENTRY_BYTES, HEADER_PAGE
 from aiokvo.tiers.disk.runs import IOV_MAX
 from aiokvo.tiers.engine import StoreTier
-from tests.tiers.disk._util import KV, FaultyIO, data_file, fill, is_disk_tier, keys, offloader
+from tests.tiers.disk._util import (
+    KV,
+    STALL_DEADLINE,
+    FaultyIO,
+    data_file,
+    fill,
+    is_disk_tier,
+    keys,
+    offloader,
+)
 from tests.tiers.mooncake._support import eventually
 
 
@@ -199,13 +209,11 @@ async def test_a_big_promotion_read_by_several_threads_verifies_every_block(
             f.write(bytes([byte[0] ^ 0x01]))
         kv.clear(range(64))
         reads, io.reader_threads = io.reads, set()
-        # The disk holds every read until each share's thread has asked for one (so no
-        # thread can finish its share and take the next before the others start).
-        io.read_gate.clear()
-        load = asyncio.ensure_future(off.load_prefix(ks[:16], list(range(40, 56))))
-        await eventually(lambda: len(io.reader_threads) == read_threads, "every read thread")
-        io.read_gate.set()
-        assert await load == 12
+        # Each share on its own thread, all at once (a pool thread that finished one
+        # share could otherwise take the next on a loaded machine).
+        io.rendezvous = threading.Barrier(read_threads, timeout=60)
+        assert await off.load_prefix(ks[:16], list(range(40, 56))) == 12
+        io.rendezvous = None
         assert kv.holds(range(40, 52), ks[:12])
         assert io.reads - reads == 16  # every block was read (and all but one verified good)
         assert len(io.reader_threads) == read_threads
@@ -369,18 +377,20 @@ async def test_a_failing_disk_is_taken_out_and_tried_again_later(disk_tier_path:
 
 async def test_a_stalled_disk_times_out_while_the_cpu_pool_serves(disk_tier_path: Path) -> None:
     kv = KV()
-    io = FaultyIO()
     ks = keys("s", 8)
-    async with offloader(
-        kv, disk_tier_path, cpu_blocks=8, file_io=io, io_timeout=0.05, failure_threshold=1
-    ) as off:
+    async with offloader(kv, disk_tier_path, cpu_blocks=8) as off:  # see STALL_DEADLINE
         await fill(off, kv, ks[:4])
-        await fill(off, kv, ks[4:], start=4)
-        await fill(off, kv, keys("later", 4), start=8)  # ks[:4] now on disk only
+    io = FaultyIO()
+    async with offloader(  # admit_after=2: this one writes nothing
+        kv, disk_tier_path, cpu_blocks=8, file_io=io, io_timeout=STALL_DEADLINE,
+        failure_threshold=1, admit_after=2,
+    ) as off:  # fmt: skip
+        await fill(off, kv, ks[4:], start=4)  # ks[:4] on disk only, ks[4:] in the pool
+        assert off.statistics().tiers[0].blocks_written == 0
         io.read_gate.clear()  # the disk stalls
         # The promotion hangs on the disk; the load returns what the pool has at the deadline.
         n = await asyncio.wait_for(off.load_prefix(ks, list(range(20, 28))), 60)
-        assert n == 0 and io.reads == 0
+        assert n == 0 and io.reads == 0 and io.stalled_reads == 1
         stats = off.statistics()
         assert stats.promotion_timeouts == 1
         assert stats.tiers[0].timeouts == 1 and stats.tiers[0].breaker.state == "open"

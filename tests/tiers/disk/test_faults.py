@@ -23,7 +23,7 @@ from aiokvo import CPULoadStoreSpec, TransferResult
 from aiokvo.errors import TransferSpecError
 from aiokvo.tiers import FileIO
 from aiokvo.tiers.engine import StoreTier
-from tests.tiers.disk._util import KV, fill, is_disk_tier, keys, offloader
+from tests.tiers.disk._util import KV, STALL_DEADLINE, fill, is_disk_tier, keys, offloader
 
 pytestmark = pytest.mark.usefixtures("aiokvo_leak_check")
 
@@ -282,20 +282,23 @@ async def test_a_share_stalled_past_the_deadline_holds_its_rows_until_it_returns
                     raise TimeoutError("the test never opened the gate")
             return super().preadv(fd, buffers, offset)
 
-    ks = keys("late", 32)
+    ks = keys("late", 16)
+    options: dict[str, Any] = {
+        "cpu_blocks": 16, "max_write_blocks": 16, "read_threads": 2, "max_io_bytes": 512 << 10,
+    }
+    async with offloader(kv, disk_tier_path, **options) as off:  # see STALL_DEADLINE
+        await fill(off, kv, ks)
     async with offloader(
-        kv, disk_tier_path, cpu_blocks=16, file_io=StallIO(), max_write_blocks=16,
-        read_threads=2, max_io_bytes=512 << 10, io_timeout=0.2, failure_threshold=100,
+        kv, disk_tier_path, file_io=StallIO(), io_timeout=STALL_DEADLINE,
+        failure_threshold=100, **options,
     ) as off:  # fmt: skip
-        await fill(off, kv, ks[:16])
-        await fill(off, kv, ks[16:], start=16)
         tier = off.tiers[0]
         assert is_disk_tier(tier)
-        slots = sorted(_slots(tier, ks[:16]))
+        slots = sorted(_slots(tier, ks))
         hold_from[0] = slots[8] * slot_bytes
         gate.clear()
         kv.clear(range(64))
-        assert await off.load_prefix(ks[:16], list(range(40, 56))) == 0  # at the deadline
+        assert await off.load_prefix(ks, list(range(40, 56))) == 0  # at the deadline
         assert stalled.is_set()
         stats = off.statistics()
         assert stats.promotion_timeouts == 1 and stats.tiers[0].timeouts == 1
@@ -308,8 +311,8 @@ async def test_a_share_stalled_past_the_deadline_holds_its_rows_until_it_returns
         # Every block comes back byte-exact: the late reads verified, blocks not started
         # before the deadline (TIMEOUT) kept on disk and read again.
         kv.clear(range(64))
-        n = await off.load_prefix(ks[:16], list(range(40, 56)))
-        assert n == 16 and kv.holds(range(40, 56), ks[:16])
+        n = await off.load_prefix(ks, list(range(40, 56)))
+        assert n == 16 and kv.holds(range(40, 56), ks)
 
 
 async def test_merged_calls_that_move_a_few_bytes_at_a_time_still_move_every_byte(

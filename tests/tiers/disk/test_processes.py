@@ -14,8 +14,12 @@ import contextlib
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.tiers.disk import _peer
 from tests.tiers.disk._util import KV, is_disk_tier
+
+pytestmark = pytest.mark.system
 
 REPO = Path(__file__).resolve().parents[3]
 PATIENCE = 60.0  # seconds for any one step of the other process (it imports torch)

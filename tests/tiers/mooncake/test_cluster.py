@@ -25,7 +25,7 @@ from aiokvo.tiers.mooncake import MooncakeTier
 from tests.offloader._harness import KV, keys
 from tests.tiers.mooncake._support import PagesKV, eventually, mooncake_stats, replica
 
-pytestmark = pytest.mark.usefixtures("aiokvo_leak_check")
+pytestmark = [pytest.mark.system, pytest.mark.usefixtures("aiokvo_leak_check")]
 
 ROOT = Path(__file__).resolve().parents[3]
 GUARD = 60.0  # seconds: a hang guard, not a timing expectation

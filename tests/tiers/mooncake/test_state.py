@@ -236,6 +236,7 @@ def test_a_write_whose_call_failed_opens_the_breaker(status: Status) -> None:
     assert state.writes_refused == 1
 
 
+@pytest.mark.system
 def test_the_pure_parts_import_without_asyncio_torch_or_mooncake() -> None:
     import subprocess
     import sys

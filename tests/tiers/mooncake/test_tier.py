@@ -210,12 +210,16 @@ async def test_a_transfer_past_its_deadline_keeps_its_cpu_blocks_until_the_call_
 ) -> None:
     kv = KV(64)
     (k,) = keys("a")
-    async with replica(fake_tier(cluster, io_timeout=0.05), kv) as off:
+    # A deadline the put's thread surely starts within on a loaded machine (a put
+    # not started by its deadline is never made: nothing would be overdue), and
+    # short enough to wait out.
+    async with replica(fake_tier(cluster, io_timeout=1.0), kv) as off:
         cluster.block()
         try:
             kv.write([0], [k])
             await off.store([k], [0])
             await eventually(lambda: mooncake_stats(off).timeouts == 1, "the overdue put")
+            assert cluster.calls.put == 1  # it is inside the hung cluster
             status = off.manager.block_status(k)
             assert status is not None and status.ref_cnt > 0  # Mooncake may still read it
         finally:
@@ -330,10 +334,12 @@ async def test_a_promotion_that_ends_while_the_next_tier_looks_up_is_not_waited_
     kv_w = KV(64)
     async with replica(fake_tier(cluster), kv_w) as writer:
         await store_on(writer, kv_w, c_d)
+    # Deadlines nothing here should reach, however slow the machine: the lookup is
+    # held until the disk promotion ends, and neither may time out meanwhile.
     disk = DiskTier(disk_tier_path, capacity_bytes=1 << 20, model_id="test-model",
-                    io_timeout=2.0, refresh_interval=0)  # fmt: skip
+                    io_timeout=30.0, refresh_interval=0)  # fmt: skip
     kv = KV(64)
-    off = Offloader(kv.config(4), kv.caches, tiers=[disk, fake_tier(cluster)])
+    off = Offloader(kv.config(4), kv.caches, tiers=[disk, fake_tier(cluster, lookup_timeout=30.0)])
     async with off:
         await store_on(off, kv, a_b)
         await store_on(off, kv, keys("e", "f", "g", "h"), first_block=2)  # a, b leave the pool
