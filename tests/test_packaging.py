@@ -121,6 +121,7 @@ def test_the_declared_torch_range_is_the_tested_one() -> None:
     assert SpecifierSet(readme.group(1)) == declared
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(("statement", "extra"), [
     ("from aiokvo.tiers import DiskTier", "disk"),
     ("import aiokvo.tiers.disk.store", "disk"),

@@ -110,6 +110,7 @@ def test_the_loopback_check_would_catch_the_docs_addresses() -> None:
 # -- programs -------------------------------------------------------------------------------
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(
     ("block", "cluster_env"), [(b, b) for b in RUNNABLE], ids=_id, indirect=["cluster_env"]
 )
@@ -136,6 +137,7 @@ def _outcomes(result: pytest.RunResult) -> dict[str, int]:
         "passed", "skipped", "failed", "errors", "xfailed", "xpassed")}
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(
     ("block", "cluster_env"), [(b, b) for b in PYTESTS], ids=_id, indirect=["cluster_env"]
 )
@@ -162,6 +164,7 @@ def test_the_pytest_example_runs_in_a_fresh_project(
         assert outcomes.get("passed", 0) + outcomes.get("skipped", 0) >= 1, result.stdout.str()
 
 
+@pytest.mark.system
 def test_the_readmes_gpu_example_skips_without_the_gpus_it_names(
     pytester: pytest.Pytester,
 ) -> None:
@@ -185,6 +188,7 @@ def _ini_blocks() -> list[str]:
     return re.findall(r"^```ini\n(.*?)^```", text, flags=re.S | re.M)
 
 
+@pytest.mark.system
 def test_the_ini_block_runs_as_written(pytester: pytest.Pytester) -> None:
     """Copied verbatim, comment and all, it used to stop the session
     (``aiokvo_loop_factories: unknown event loop '#'``)."""

@@ -125,6 +125,7 @@ def test_a_bad_trace_line_is_named(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "bad.jsonl:2" in err
 
 
+@pytest.mark.system
 def test_the_installed_command_runs_with_a_progress_bar(trace: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "aiokvo.telemetry", "replay", str(trace), "--policy", "sieve",

@@ -35,6 +35,7 @@ def test_a_stuck_call_does_not_hold_up_the_next() -> None:
     assert stuck.result(30) is True
 
 
+@pytest.mark.system
 def test_a_process_exits_with_a_call_stuck_in_the_pool() -> None:
     import subprocess
     import sys

@@ -48,6 +48,7 @@ def silent_master() -> Iterator[str]:
     server.close()
 
 
+@pytest.mark.system
 async def test_a_silent_master_holds_up_neither_the_loop_nor_the_first_call(
     silent_master: str,
 ) -> None:
