@@ -7,21 +7,38 @@ data plane.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from aiokvo.config import OffloadConfig
 from aiokvo.handlers.sync import SyncOffloadingWorker
 from aiokvo.handlers.worker import OffloadingWorker
 from aiokvo.integrations.vllm.convert import caches_from_vllm
-from aiokvo.integrations.vllm.worker import AiokvoOffloadingWorker
-from aiokvo.runtime.pump import make_loop_driver
+from aiokvo.integrations.vllm.failures import FailureLog
+from aiokvo.integrations.vllm.worker import AiokvoOffloadingWorker, LoadFailurePolicy
+from aiokvo.offloading_spec import CPUOffloadingSpec
+from aiokvo.runtime.pump import LoopDriverMode, make_loop_driver
 
-if TYPE_CHECKING:
-    from aiokvo.integrations.vllm.spec import AiokvoOffloadingSpec
-
-__all__ = ["build_worker"]
+__all__ = ["WorkerSettings", "build_worker"]
 
 
-def build_worker(spec: AiokvoOffloadingSpec, vllm_kv_caches: Any) -> AiokvoOffloadingWorker:
+class WorkerSettings(Protocol):
+    """What the worker side reads from the spec (``AiokvoOffloadingSpec`` has it).
+
+    A protocol rather than the spec class so that this module, which the spec
+    imports lazily, never imports the spec back.
+    """
+
+    loop_mode: LoopDriverMode
+    handler_options: dict[str, Any]
+    inner_spec_class: type[CPUOffloadingSpec]
+    aiokvo_config: OffloadConfig
+    retries: int
+    on_load_failure: LoadFailurePolicy
+
+    def failure_log(self) -> FailureLog: ...
+
+
+def build_worker(spec: WorkerSettings, vllm_kv_caches: Any) -> AiokvoOffloadingWorker:
     """The worker for ``spec`` over vLLM's ``CanonicalKVCaches``.
 
     With a loop on its own thread (``aiokvo_loop="thread"``, or ``"auto"``

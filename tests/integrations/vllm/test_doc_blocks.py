@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.docs.blocks import GLUE, blocks, glue_of, program
 
 
+@pytest.mark.system  # each block runs in a child interpreter
 def test_the_vllm_blocks_run(tmp_path: Path) -> None:
     found = [b for b in blocks() if GLUE[glue_of(b)[0]].kind == "vllm"]
     assert found

@@ -22,6 +22,7 @@ def private_dir(tmp_path: Path) -> Path:
     return d
 
 
+@pytest.mark.system  # the writer is another process
 def test_blocks_written_by_another_process_are_read_once(tmp_path: Path) -> None:
     path = failure_log_path(private_dir(tmp_path), "engine-x", 0)
     owner = FailureLog(path, 64, owner=True)

@@ -56,7 +56,7 @@ def serve(manager: Any, ctx: Any, ks: list[OffloadKey]) -> None:
 
 
 def counters(manager: Any) -> dict[str, float]:
-    values = manager.get_stats().metric_sections()[1]
+    values = manager.get_stats().data["data"]  # the layout 0.32 and 0.33 share
     return {name: values.get(name, {}).get((), 0)
             for name in (KV_HINTS_EXECUTED, KV_HINTS_IGNORED, KV_HINTS_INVALID)}  # fmt: skip
 

@@ -22,7 +22,7 @@ from tests.integrations.vllm.engine import (
     write_tiny_llama,
 )
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.vllm_llm]  # a whole vllm.LLM on the CPU build
 
 WORKLOAD = Workload(docs=12, prefix_tokens=512, requests=120, round_size=12)
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits"

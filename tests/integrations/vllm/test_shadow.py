@@ -34,7 +34,8 @@ from aiokvo.manager.reuse import FilterReusedOffloadingManager
 from tests.integrations.vllm.harness import SHADOW_SPEC, run_scenario
 from tests.integrations.vllm.specs import ShadowManager
 
-pytestmark = pytest.mark.system  # vLLM's real scheduler, long random sequences
+# vLLM's real scheduler, long random sequences
+pytestmark = pytest.mark.system
 
 
 LRU_RANKS_RUNNING_REQUESTS = (_release(vllm.__version__) or (0, 0, 0)) >= (0, 33, 0)
