@@ -55,7 +55,15 @@ from aiokvo.tiers.disk.files import (
     read_all,
     write_all,
 )
-from aiokvo.tiers.disk.format import ENTRY_BYTES, HEADER_PAGE, MAX_KEY_BYTES, Entry, SlabGeometry
+from aiokvo.tiers.disk.format import (
+    ENTRY_BYTES,
+    FREE_ENTRY,
+    HEADER_PAGE,
+    MAX_KEY_BYTES,
+    Entry,
+    SlabGeometry,
+    pack_entry,
+)
 from aiokvo.tiers.disk.runs import IOV_MAX, PARALLEL_READ_MIN_BYTES, adjacent_runs, shares
 from aiokvo.tiers.disk.slab import SlabDirectory, SlabFiles
 from aiokvo.tiers.disk.spec import DISK_MEDIUM
@@ -249,8 +257,11 @@ class DiskStore:
         slabs = _distinct(files)
         slot_bytes = self.slot_bytes
         try:
-            for slab, where in zip(files, locations, strict=True):
-                directory.clear(slab, where.slot)
+            for slab in slabs:
+                directory.write_entries(slab, [
+                    (where.slot, FREE_ENTRY)
+                    for f, where in zip(files, locations, strict=True) if f is slab
+                ])  # fmt: skip
             if commit:
                 for slab in slabs:
                     io.fdatasync(slab.index_fd)
@@ -292,10 +303,13 @@ class DiskStore:
             if commit and written:
                 for slab in slabs:
                     io.fdatasync(slab.data_fd)
-            for i in written:
-                where, key = locations[i], job.keys[i]
-                directory.commit(files[i], where.slot, key, outcomes.checksums[i],
-                                 where.generation, rows.payload[job.groups[i]])  # fmt: skip
+            for slab in slabs:
+                directory.write_entries(slab, [
+                    (locations[i].slot, pack_entry(job.keys[i], outcomes.checksums[i],
+                                                   locations[i].generation,
+                                                   rows.payload[job.groups[i]]))
+                    for i in written if files[i] is slab
+                ])  # fmt: skip
             if commit and written:
                 for slab in slabs:
                     io.fdatasync(slab.index_fd)
