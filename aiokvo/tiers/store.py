@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from aiokvo.errors import TransferSpecError
 from aiokvo.keys import OffloadKey, get_offload_group_idx
@@ -85,6 +86,15 @@ class PoolRows:
         self.group_tensors = [fingerprint.group_tensors(g) for g in groups]
         self.payload = [fingerprint.payload_bytes(g) for g in groups]
         self.row_tail_bytes = row_tail_bytes
+        # Each tensor's rows as one flat byte view, from its first row to the end of its
+        # last: a block's buffers are slices of it (a memoryview slice costs a fraction
+        # of a numpy row view and its buffer export, which a transfer pays per block).
+        n = self.num_blocks
+        self._flat = [
+            as_strided(view, shape=(stride * (n - 1) + width,), strides=(1,)).data
+            if n else memoryview(b"")
+            for view, stride, width in zip(self.views, self.stride, self.width, strict=True)
+        ]  # fmt: skip
 
     def group_of(self, key: OffloadKey) -> int:
         """``key``'s KV group, checked against the layout."""
@@ -95,10 +105,13 @@ class PoolRows:
             )
         return group
 
-    def buffers(self, group: int, row: int) -> list[np.ndarray]:
-        """Block ``row`` of ``group``: one row view per tensor (never the tail room)."""
-        views = self.views
-        return [views[t][row] for t in self.group_tensors[group]]
+    def buffers(self, group: int, row: int) -> list[memoryview]:
+        """Block ``row`` of ``group``: one flat byte view of its row per tensor (never the
+        tail room)."""
+        flat, stride, width = self._flat, self.stride, self.width
+        return [
+            flat[t][row * stride[t] : row * stride[t] + width[t]] for t in self.group_tensors[group]
+        ]
 
     def payload_bytes(self, key: OffloadKey) -> int:
         return self.payload[get_offload_group_idx(key)]

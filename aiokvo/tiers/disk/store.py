@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from aiokvo.errors import ConfigError, TierChecksumError, TierTimeoutError, TierUnavailableError
@@ -481,7 +480,7 @@ class DiskStore:
             files.append(slab)
         return files
 
-    def _buffers(self, job: BlockJob, i: int) -> list[np.ndarray]:
+    def _buffers(self, job: BlockJob, i: int) -> list[memoryview]:
         return self._live_rows().buffers(job.groups[i], job.rows[i])
 
     def _fd(self, slab: SlabFiles) -> int:
@@ -503,8 +502,8 @@ class DiskStore:
         )
 
     def _in_file(
-        self, locations: Sequence[BlockLocation], run: list[int], buffers: list[list[np.ndarray]]
-    ) -> tuple[list[np.ndarray], int]:
+        self, locations: Sequence[BlockLocation], run: list[int], buffers: list[list[memoryview]]
+    ) -> tuple[list[memoryview], int]:
         """A run's buffers as the file holds them (a descending run reversed), and
         where it starts: the arguments of its one coalesced call."""
         if locations[run[1]].slot < locations[run[0]].slot:
@@ -544,7 +543,7 @@ def _time_out(outcomes: Outcomes, i: int, what: str, timeout: float, *, only: bo
         outcomes.fail(j, Outcome.TIMEOUT, error)
 
 
-def _flat(blocks: list[list[np.ndarray]]) -> list[np.ndarray]:
+def _flat(blocks: list[list[memoryview]]) -> list[memoryview]:
     return [b for buffers in blocks for b in buffers]
 
 
