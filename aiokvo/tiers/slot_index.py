@@ -155,17 +155,23 @@ class SlotIndex:
 
     # ---------------------------------------------------------------- reads
     def reserve_read(self, keys: Sequence[OffloadKey], now: float) -> Reservation | None:
+        if not keys:
+            return None
         locations: list[BlockLocation] = []
         own: list[OffloadKey] = []
-        for key in keys:
-            where = self.location(key)
+        committed, ready, slot_of = self._own.get, self.slots.is_ready, self.slots.slot_of
+        foreign, slab = self._foreign, self.slab
+        for key in keys:  # as location(), inlined: this runs per block of a promotion
+            entry = committed(key)
+            slot = None if entry is None else slot_of(key)
+            if entry is not None and slot is not None and ready(key):
+                locations.append(BlockLocation(slab, slot, entry[0], entry[1]))
+                own.append(key)
+                continue
+            where = foreign.get(key)
             if where is None:
                 return None
             locations.append(where)
-            if where.slab == self.slab:
-                own.append(key)
-        if not keys:
-            return None
         if own:
             self.slots.prepare_load(own, _CTX)
             self.slots.touch(own)

@@ -32,7 +32,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from aiokvo.errors import TransferSpecError
-from aiokvo.keys import OffloadKey, get_offload_group_idx
+from aiokvo.keys import GROUP_IDX_BYTES, OffloadKey, get_offload_group_idx, is_offload_key
 from aiokvo.tiers.base import TierStatistics
 from aiokvo.tiers.fingerprint import LayoutFingerprint
 from aiokvo.tiers.index import Index
@@ -104,6 +104,15 @@ class PoolRows:
                 f"key {key.hex()} is of KV group {group}; the layout has {len(self.payload)}"
             )
         return group
+
+    def groups_of(self, keys: Sequence[OffloadKey]) -> list[int]:
+        """Each key's KV group, checked against the layout (with one group, one quick
+        pass: every key must then end in group 0's suffix)."""
+        if len(self.payload) == 1:
+            zero = bytes(GROUP_IDX_BYTES)
+            if all(is_offload_key(key) and key.endswith(zero) for key in keys):
+                return [0] * len(keys)
+        return [self.group_of(key) for key in keys]
 
     def buffers(self, group: int, row: int) -> list[memoryview]:
         """Block ``row`` of ``group``: one flat byte view of its row per tensor (never the
