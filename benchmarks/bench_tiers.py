@@ -60,6 +60,7 @@ import hashlib
 import os
 import random
 import secrets
+import shutil
 import statistics
 import sys
 import tempfile
@@ -330,8 +331,17 @@ async def replay(root: Path | None, *, pool: int, requests: int, seed: int) -> t
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="aiokvo-bench-"))
+    made = args.dir is None
+    base = Path(tempfile.mkdtemp(prefix="aiokvo-bench-")) if made else Path(args.dir)
     base.mkdir(mode=0o700, exist_ok=True)
+    try:
+        await run_sections(args, base)
+    finally:  # the sections' files are gigabytes: never leave them behind
+        if made:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+async def run_sections(args: argparse.Namespace, base: Path) -> None:
     print(f"# bench_tiers: {args.mib} MiB per pass, {args.rounds} rounds, in {base}")
     print(f"# {sys.version.split()[0]}, {time.strftime('%Y-%m-%d %H:%M %Z')}, "
           f"{os.cpu_count()} CPUs, load average {load()} (1/5 min)\n")  # fmt: skip
@@ -349,19 +359,29 @@ async def disk_sections(args: argparse.Namespace, base: Path) -> None:
     direct = False
     knobs = {"max_io_bytes": args.max_io_bytes, "read_threads": args.read_threads}
     for kib in args.blocks:
-        lines, direct = await disk_throughput(base / f"t{kib}", kib << 10, args.mib << 20,
-                                              args.rounds, **knobs)  # fmt: skip
+        try:
+            lines, direct = await disk_throughput(base / f"t{kib}", kib << 10, args.mib << 20,
+                                                  args.rounds, **knobs)  # fmt: skip
+        finally:
+            shutil.rmtree(base / f"t{kib}", ignore_errors=True)
         print("\n".join(lines), flush=True)
     if not args.no_warm:
         for kib in args.blocks:
-            line = await warm_reads(base / f"w{kib}", kib << 10, args.mib << 20, args.rounds,
-                                    **knobs)  # fmt: skip
+            try:
+                line = await warm_reads(base / f"w{kib}", kib << 10, args.mib << 20,
+                                        args.rounds, **knobs)  # fmt: skip
+            finally:
+                shutil.rmtree(base / f"w{kib}", ignore_errors=True)
             print(line, flush=True)
     print(f"\nO_DIRECT (cold rows): {direct}\n")
     print("| replay (working set 10x the CPU pool) | hit rate | requests/s |")
     print("|---|---|---|")
     for name, root in (("CPU pool alone", None), ("CPU pool + disk tier", base / "replay")):
-        hit, rate = await replay(root, pool=args.pool, requests=args.requests, seed=0)
+        try:
+            hit, rate = await replay(root, pool=args.pool, requests=args.requests, seed=0)
+        finally:
+            if root is not None:
+                shutil.rmtree(root, ignore_errors=True)
         print(f"| {name} | {hit:.1%} | {rate:.0f} |")
 
 
