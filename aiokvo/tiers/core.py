@@ -284,7 +284,7 @@ class TierCore(TierCounters):
     def _record(self, ticket: Ticket, outcomes: Outcomes, now: float) -> None:
         if ticket.timed_out:
             return  # counted when the deadline passed; a late outcome changes nothing
-        if any(status in STORE_FAILURES for status in outcomes.status):
+        if not outcomes.all_ok() and any(s in STORE_FAILURES for s in outcomes.status):
             self.store_failures += 1
             self._record_failure(now)
         else:

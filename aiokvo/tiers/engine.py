@@ -471,11 +471,13 @@ class StoreTier(Tier):
     def _bytes_ok(self, spec: TierSpec) -> int:
         rows = self._rows
         assert rows is not None
-        ok = [key for key, status in zip(spec.keys, spec.outcomes.status, strict=True)
-              if status is Outcome.OK]  # fmt: skip
         if len(rows.payload) == 1:  # one group: no key needs looking at
-            return rows.payload[0] * len(ok)
-        return sum(rows.payload_bytes(key) for key in ok)
+            return rows.payload[0] * spec.outcomes.count(Outcome.OK)
+        return sum(
+            rows.payload_bytes(key)
+            for key, status in zip(spec.keys, spec.outcomes.status, strict=True)
+            if status is Outcome.OK
+        )
 
     def _overdue(self, spec: TierSpec) -> None:
         ticket = self._tickets.get(spec)

@@ -210,6 +210,8 @@ class SlotIndex:
         own: list[OffloadKey] = reservation.state
         if own:
             self.slots.complete_load(own)
+        if outcomes.all_ok():
+            return list(reservation.keys)
         good: list[OffloadKey] = []
         bad_own: list[OffloadKey] = []
         for key, where, status in zip(

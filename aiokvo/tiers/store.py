@@ -24,7 +24,7 @@ sees other writers refreshes with ``maintenance``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -121,6 +121,18 @@ class PoolRows:
         return [
             flat[t][row * stride[t] : row * stride[t] + width[t]] for t in self.group_tensors[group]
         ]
+
+    def blocks(
+        self, groups: Sequence[int], rows: Sequence[int], ids: Iterable[int]
+    ) -> list[list[memoryview]]:
+        """:meth:`buffers` of blocks ``ids`` (block ``i`` is row ``rows[i]`` of group
+        ``groups[i]``) in one pass: a store asks for a run's blocks at once."""
+        flat, stride, width, tensors = self._flat, self.stride, self.width, self.group_tensors
+        return [
+            [flat[t][rows[i] * stride[t] : rows[i] * stride[t] + width[t]]
+             for t in tensors[groups[i]]]
+            for i in ids
+        ]  # fmt: skip
 
     def payload_bytes(self, key: OffloadKey) -> int:
         return self.payload[get_offload_group_idx(key)]

@@ -115,3 +115,18 @@ def test_pure_parts_import_without_asyncio_or_torch() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_outcomes_say_all_good_only_when_every_block_is() -> None:
+    from aiokvo.tiers.outcome import Outcome, Outcomes
+
+    out = Outcomes(4)
+    assert not out.all_ok() and list(out.failures()) == [(Outcome.NOT_RUN, None)] * 4
+    out.ok_all([0, 2, 3])
+    assert not out.all_ok() and out.count(Outcome.OK) == 3  # block 1 was never decided
+    assert list(out.failures()) == [(Outcome.NOT_RUN, None)]
+    out.fail(1, Outcome.CORRUPT, ValueError("bad"), "checksum")
+    assert not out.all_ok() and list(out.failures()) == [(Outcome.CORRUPT, "checksum")]
+    out.ok(1)
+    assert out.all_ok() and list(out.failures()) == [] and out.count(Outcome.OK) == 4
+    assert Outcomes(0).all_ok()

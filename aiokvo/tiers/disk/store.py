@@ -268,12 +268,13 @@ class DiskStore:
             outcomes.fail_rest(Outcome.IO_ERROR, exc)
             return
         written: list[int] = []
+        rows = self._live_rows()
         sums = OverlappedChecksums(self._helper("write"))
         for run in self._runs(range(len(job)), job):
             if job.late():
                 _time_out(outcomes, run[0], "write", self.config.io_timeout)
                 break
-            buffers = [self._buffers(job, i) for i in run]
+            buffers = rows.blocks(job.groups, job.rows, run)
             sums.add(run, buffers, self._run_bytes(job, run))  # hashed while the write runs
             fd = self._fd(files[run[0]])
             if len(run) > 1:
@@ -295,9 +296,9 @@ class DiskStore:
                 written.append(i)
             if failed:
                 break
+        checksums = outcomes.checksums
         for i, value in sums.results():
-            outcomes.checksums[i] = value
-        rows = self._live_rows()
+            checksums[i] = value
         try:
             if commit and written:
                 for slab in slabs:
@@ -316,8 +317,7 @@ class DiskStore:
             for i in written:
                 outcomes.fail(i, Outcome.IO_ERROR, exc)
             return
-        for i in written:
-            outcomes.ok(i)
+        outcomes.ok_all(written)
 
     # ----------------------------------------------------------------- reads
     def read(self, job: BlockJob) -> None:
@@ -325,7 +325,7 @@ class DiskStore:
         outcomes = job.outcomes
         locations: Sequence[BlockLocation] = job.where
         files = self._files(locations, writer=False)
-        order = sorted(range(len(job)), key=lambda j: (locations[j].slab, locations[j].slot))
+        order = sorted(range(len(job)), key=locations.__getitem__)  # (slab, slot) first
         runs = self._runs(order, job)
         threads = self.config.read_threads
         big = self._run_bytes(job, range(len(job))) >= PARALLEL_READ_MIN_BYTES
@@ -347,11 +347,13 @@ class DiskStore:
         else:
             sums = OverlappedChecksums(self._helper("read"))
             found = list(self._read_runs(job, files, runs, sums).results())
+        good = []
         for i, value in found:  # verify every block read
             if value == locations[i].checksum:
-                outcomes.ok(i)
+                good.append(i)
             else:
                 self._mismatch(job, files[i], i, value)
+        outcomes.ok_all(good)
 
     def _read_runs(
         self, job: BlockJob, files: list[SlabFiles], runs: list[list[int]],
@@ -359,6 +361,7 @@ class DiskStore:
     ) -> OverlappedChecksums:  # fmt: skip
         """Read ``runs`` (their blocks' checksums go to ``sums``); failures to the outcomes."""
         io, outcomes, slot_bytes = self._io, job.outcomes, self.slot_bytes
+        rows = self._live_rows()
         locations: Sequence[BlockLocation] = job.where
         for n, run in enumerate(runs):
             if job.late():
@@ -366,7 +369,7 @@ class DiskStore:
                     for j in later:
                         _time_out(outcomes, j, "read", self.config.io_timeout, only=True)
                 break
-            buffers = [self._buffers(job, i) for i in run]
+            buffers = rows.blocks(job.groups, job.rows, run)
             fd = self._fd(files[run[0]])
             if len(run) > 1:
                 try:
@@ -480,9 +483,6 @@ class DiskStore:
             files.append(slab)
         return files
 
-    def _buffers(self, job: BlockJob, i: int) -> list[memoryview]:
-        return self._live_rows().buffers(job.groups[i], job.rows[i])
-
     def _fd(self, slab: SlabFiles) -> int:
         direct = slab.direct_fd
         return direct if direct is not None and self._aligned else slab.data_fd
@@ -510,8 +510,10 @@ class DiskStore:
             return _flat(buffers[::-1]), locations[run[-1]].slot * self.slot_bytes
         return _flat(buffers), locations[run[0]].slot * self.slot_bytes
 
-    def _run_bytes(self, job: BlockJob, run: Iterable[int]) -> int:
+    def _run_bytes(self, job: BlockJob, run: Sequence[int]) -> int:
         payload, groups = self._live_rows().payload, job.groups
+        if len(payload) == 1:
+            return payload[0] * len(run)
         return sum(payload[groups[i]] for i in run)
 
     def _helper(self, role: str, threads: int = 1) -> Callable[[], ThreadPoolExecutor]:
