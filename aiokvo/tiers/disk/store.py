@@ -332,28 +332,33 @@ class DiskStore:
         parts = shares(runs, threads) if threads > 1 and big else []
         if len(parts) > 1:
             pool = self._helper("read-io", threads - 1)()
-            helpers = [
-                pool.submit(self._read_runs, job, files, part, OverlappedChecksums(None))
-                for part in parts[1:]
-            ]
+            helpers = [pool.submit(self._read_verified, job, files, part, OverlappedChecksums(None))
+                       for part in parts[1:]]  # fmt: skip
             try:
-                own = OverlappedChecksums(None)
-                self._read_runs(job, files, parts[0], own)
+                good = self._read_verified(job, files, parts[0], OverlappedChecksums(None))
             finally:
                 wait(helpers)  # never return while a share may still write into the rows
-            found = [*own.results()]
             for helper in helpers:
-                found += helper.result().results()
+                good += helper.result()
         else:
             sums = OverlappedChecksums(self._helper("read"))
-            found = list(self._read_runs(job, files, runs, sums).results())
+            good = self._read_verified(job, files, runs, sums)
+        outcomes.ok_all(good)
+
+    def _read_verified(
+        self, job: BlockJob, files: list[SlabFiles], runs: list[list[int]],
+        sums: OverlappedChecksums,
+    ) -> list[int]:  # fmt: skip
+        """Read ``runs`` and verify every block read (a share verifies its own blocks
+        while the other shares' reads run); the good blocks, failures to the outcomes."""
+        expected: Sequence[BlockLocation] = job.where
         good = []
-        for i, value in found:  # verify every block read
-            if value == locations[i].checksum:
+        for i, value in self._read_runs(job, files, runs, sums).results():
+            if value == expected[i].checksum:
                 good.append(i)
             else:
                 self._mismatch(job, files[i], i, value)
-        outcomes.ok_all(good)
+        return good
 
     def _read_runs(
         self, job: BlockJob, files: list[SlabFiles], runs: list[list[int]],
