@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
+from itertools import repeat
 from typing import Any, NamedTuple
 
 from aiokvo.keys import OffloadKey
@@ -44,6 +46,11 @@ class BlockLocation(NamedTuple):
     slot: int
     checksum: int = 0
     generation: int = 0
+
+
+_new_location = partial(tuple.__new__, BlockLocation)
+"""``BlockLocation`` from a ``(slab, slot, checksum, generation)`` tuple, in C (the named
+tuple's own ``__new__`` is a Python function)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,10 +196,14 @@ class SlotIndex:
             self._own.pop(key, None)
         block_ids = getattr(out.store_spec, "block_ids", None)
         assert block_ids is not None
-        locations = []
-        for slot in block_ids.tolist():
-            locations.append(BlockLocation(self.slab, int(slot), 0, self._next_generation))
-            self._next_generation += 1
+        placed: list[int] = block_ids.tolist()
+        first = self._next_generation
+        self._next_generation = first + len(placed)
+        # One location per block, built without a Python call per block (a write of
+        # 2048 blocks spent 1.3-4 ms of the loop here, one BlockLocation() at a time).
+        locations = list(map(_new_location, zip(
+            repeat(self.slab), placed, repeat(0), range(first, first + len(placed))
+        )))  # fmt: skip
         return Reservation(new, locations, list(out.evicted_keys), state=new)
 
     def _room_for(self, n: int) -> bool:
