@@ -37,8 +37,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from aiokvo.errors import ConfigError, TierChecksumError, TierTimeoutError
 from aiokvo.keys import OffloadKey
 from aiokvo.tiers.base import TierStatistics
@@ -266,7 +264,7 @@ class FaultyStore:
                 continue
             buffers = rows.buffers(job.groups[i], job.rows[i])
             for buffer, data in zip(buffers, kept.data, strict=True):
-                buffer[:] = np.frombuffer(data, dtype=np.uint8)
+                buffer[:] = data
             if xxh3(buffers) != where.checksum:
                 outcomes.fail(i, Outcome.CORRUPT, TierChecksumError(
                     f"block {key.hex()} read back with another checksum"))  # fmt: skip

@@ -284,6 +284,9 @@ class TierCore(TierCounters):
     def _record(self, ticket: Ticket, outcomes: Outcomes, now: float) -> None:
         if ticket.timed_out:
             return  # counted when the deadline passed; a late outcome changes nothing
+        if outcomes.all_ok():
+            self.breaker.record_success(now)
+            return
         if Outcome.TIMEOUT in outcomes.status:
             # The store saw the deadline first (a job that started after it does no I/O
             # and ends at once, before the loop's timer): the same one timeout.

@@ -123,7 +123,7 @@ class StoreHandler(SingleDirectionHandler):
         cpu_rows = cpu.block_ids.tolist()
         if len(set(cpu_rows)) != n:  # two blocks in one row: each checked against the other
             raise TransferSpecError(f"a {what} names a CPU block twice: {cpu_rows}")
-        groups = [rows.group_of(key) for key in tier.keys]
+        groups = rows.groups_of(tier.keys)
         total = sum(rows.payload[g] for g in groups)
         job = BlockJob(tier, cpu_rows, groups, time.monotonic() + self.io_timeout)
         run = partial(_run, self.store.write if self.write else self.store.read, job)

@@ -13,7 +13,7 @@ which the engine only counts. Pure: no I/O, no asyncio.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from enum import IntEnum
 
 __all__ = ["STORE_FAILURES", "Outcome", "Outcomes"]
@@ -63,6 +63,16 @@ class Outcomes:
     def ok(self, i: int) -> None:
         self.status[i] = Outcome.OK
 
+    def ok_all(self, ids: Iterable[int]) -> None:
+        """Blocks ``ids`` are good (one call for a transfer's blocks)."""
+        status, good = self.status, Outcome.OK
+        for i in ids:
+            status[i] = good
+
+    def all_ok(self) -> bool:
+        """Every block is good (one C-level pass: the common case costs no loop)."""
+        return self.status.count(Outcome.OK) == len(self.status)
+
     def fail(
         self, i: int, outcome: Outcome, error: BaseException, cause: str | None = None
     ) -> None:
@@ -88,10 +98,12 @@ class Outcomes:
             self.error = error
 
     def count(self, outcome: Outcome) -> int:
-        return sum(1 for s in self.status if s is outcome)
+        return self.status.count(outcome)
 
     def failures(self) -> Iterator[tuple[Outcome, str | None]]:
         """``(outcome, cause)`` of every failed block (what the engine counts)."""
+        if self.all_ok():
+            return
         for status, cause in zip(self.status, self.cause, strict=True):
             if status is not Outcome.OK:
                 yield status, cause

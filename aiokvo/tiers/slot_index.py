@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from itertools import repeat
+from typing import Any, NamedTuple
 
 from aiokvo.keys import OffloadKey
 from aiokvo.manager.sink import EventSink
@@ -35,15 +37,20 @@ _DROP = frozenset({Outcome.CORRUPT, Outcome.MISSING, Outcome.STALE})
 _CTX = ReqContext()  # the slot manager ignores request contexts
 
 
-@dataclass(frozen=True, slots=True)
-class BlockLocation:
+class BlockLocation(NamedTuple):
     """Where a block lives: ``slot`` of slab ``slab``, with ``checksum`` (0 until written)
-    and the ``generation`` of its index entry."""
+    and the ``generation`` of its index entry. A named tuple: one is made per block of
+    every transfer, on the loop, at a third of a frozen dataclass's cost."""
 
     slab: int
     slot: int
     checksum: int = 0
     generation: int = 0
+
+
+_new_location = partial(tuple.__new__, BlockLocation)
+"""``BlockLocation`` from a ``(slab, slot, checksum, generation)`` tuple, in C (the named
+tuple's own ``__new__`` is a Python function)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,17 +162,23 @@ class SlotIndex:
 
     # ---------------------------------------------------------------- reads
     def reserve_read(self, keys: Sequence[OffloadKey], now: float) -> Reservation | None:
+        if not keys:
+            return None
         locations: list[BlockLocation] = []
         own: list[OffloadKey] = []
-        for key in keys:
-            where = self.location(key)
+        committed, ready, slot_of = self._own.get, self.slots.is_ready, self.slots.slot_of
+        foreign, slab = self._foreign, self.slab
+        for key in keys:  # as location(), inlined: this runs per block of a promotion
+            entry = committed(key)
+            slot = None if entry is None else slot_of(key)
+            if entry is not None and slot is not None and ready(key):
+                locations.append(BlockLocation(slab, slot, entry[0], entry[1]))
+                own.append(key)
+                continue
+            where = foreign.get(key)
             if where is None:
                 return None
             locations.append(where)
-            if where.slab == self.slab:
-                own.append(key)
-        if not keys:
-            return None
         if own:
             self.slots.prepare_load(own, _CTX)
             self.slots.touch(own)
@@ -183,10 +196,14 @@ class SlotIndex:
             self._own.pop(key, None)
         block_ids = getattr(out.store_spec, "block_ids", None)
         assert block_ids is not None
-        locations = []
-        for slot in block_ids.tolist():
-            locations.append(BlockLocation(self.slab, int(slot), 0, self._next_generation))
-            self._next_generation += 1
+        placed: list[int] = block_ids.tolist()
+        first = self._next_generation
+        self._next_generation = first + len(placed)
+        # One location per block, built without a Python call per block (a write of
+        # 2048 blocks spent 1.3-4 ms of the loop here, one BlockLocation() at a time).
+        locations = list(map(_new_location, zip(
+            repeat(self.slab), placed, repeat(0), range(first, first + len(placed))
+        )))  # fmt: skip
         return Reservation(new, locations, list(out.evicted_keys), state=new)
 
     def _room_for(self, n: int) -> bool:
@@ -204,6 +221,8 @@ class SlotIndex:
         own: list[OffloadKey] = reservation.state
         if own:
             self.slots.complete_load(own)
+        if outcomes.all_ok():
+            return list(reservation.keys)
         good: list[OffloadKey] = []
         bad_own: list[OffloadKey] = []
         for key, where, status in zip(

@@ -32,12 +32,15 @@ def test_bench_tiers_mooncake_section_runs_on_a_local_cluster() -> None:
     out = subprocess.run(
         [sys.executable, "benchmarks/bench_tiers.py", "--no-disk", "--mooncake", "local",
          "--mib", "16", "--rounds", "1", "--mooncake-blocks", "512", "--pool", "16",
-         "--requests", "20", "--mooncake-segment-mib", "64"],
+         "--requests", "20"],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert "## Mooncake, on a loopback cluster" in out.stdout
-    assert "| 512 KiB | median |" in out.stdout
+    assert "| 512 KiB | put | 1 |" in out.stdout  # the plain tier against the check by hand
+    assert "| 512 KiB | get | 1 |" in out.stdout
+    assert "| keyed / GMAC by hand |" in out.stdout
+    assert out.stdout.count("| 512 KiB | get | 1 |") == 2  # and the keyed tier
     assert "| with the Mooncake tier |" in out.stdout
 
 
@@ -51,3 +54,16 @@ def test_bench_replay_quick_prints_every_section_for_every_policy() -> None:
     assert "## 3. A second workload" in out.stdout and "| Belady |" in out.stdout
     for policy in ("lru", "arc", "slru", "sieve", "s3fifo", "chain"):
         assert out.stdout.count(f"| {policy} |") == 3, policy  # a row in each table
+
+
+def test_bench_tiers_disk_sections_run(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "benchmarks/bench_tiers.py", "--mooncake", "off", "--dir",
+         str(tmp_path), "--mib", "8", "--rounds", "1", "--blocks", "256", "--pool", "16",
+         "--requests", "20"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    for op in ("write", "read", "warm read"):  # against the raw with the same checksum
+        assert f"| 256 KiB | {op} | 1 |" in out.stdout
+    assert "| CPU pool + disk tier |" in out.stdout

@@ -230,3 +230,21 @@ async def test_a_tier_refuses_caches_without_a_dtype() -> None:
         Offloader(kv.config(CPU_BLOCKS), bare, tiers=[faulty()])
     off = Offloader(kv.config(CPU_BLOCKS), bare, tiers=[faulty(dtype="bfloat16")])
     await off.aclose()
+
+
+async def test_a_transfer_naming_a_group_the_layout_lacks_is_refused_before_any_io() -> None:
+    import numpy as np
+
+    from aiokvo import CPULoadStoreSpec
+    from aiokvo.errors import TransferSpecError
+    from aiokvo.tiers.spec import spec_class
+
+    kv, tier = KV(), faulty()  # a layout of one KV group
+    async with Offloader(kv.config(CPU_BLOCKS), kv.caches, tiers=[tier]) as off:
+        medium = tier.store.medium
+        for bad in ([key("g0"), key("g1", group=1)], [key("g0"), b"not a key"]):
+            spec = spec_class(medium)(bad, [None, None])  # type: ignore[list-item]
+            with pytest.raises(TransferSpecError):
+                await off.worker.transfer_async(7, (CPULoadStoreSpec(np.arange(2)), spec))
+        assert tier.statistics().writes == 0
+        assert offloader_leaks(off) == []

@@ -116,3 +116,42 @@ def test_pure_parts_import_without_asyncio_or_torch() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_outcomes_say_all_good_only_when_every_block_is() -> None:
+    from aiokvo.tiers.outcome import Outcome, Outcomes
+
+    out = Outcomes(4)
+    assert not out.all_ok() and list(out.failures()) == [(Outcome.NOT_RUN, None)] * 4
+    out.ok_all([0, 2, 3])
+    assert not out.all_ok() and out.count(Outcome.OK) == 3  # block 1 was never decided
+    assert list(out.failures()) == [(Outcome.NOT_RUN, None)]
+    out.fail(1, Outcome.CORRUPT, ValueError("bad"), "checksum")
+    assert not out.all_ok() and list(out.failures()) == [(Outcome.CORRUPT, "checksum")]
+    out.ok(1)
+    assert out.all_ok() and list(out.failures()) == [] and out.count(Outcome.OK) == 4
+    assert Outcomes(0).all_ok()
+
+
+def test_the_one_group_key_check_agrees_with_checking_each_key() -> None:
+    # PoolRows.groups_of checks a one-group transfer's keys in one C-level pass; it must
+    # accept exactly the keys the per-key check accepts as group 0.
+    from aiokvo.keys import GROUP_IDX_BYTES, MAX_KEY_BYTES, is_offload_key
+    from aiokvo.tiers.store import _all_group_zero
+
+    class Key(bytes):
+        pass
+
+    good = make_offload_key(b"h" * 32, 0)
+    cases: list[object] = [
+        good, Key(good), make_offload_key(b"h" * 32, 1), b"\0" * GROUP_IDX_BYTES,
+        b"h" * (MAX_KEY_BYTES - GROUP_IDX_BYTES) + bytes(GROUP_IDX_BYTES),
+        b"h" * (MAX_KEY_BYTES + 1 - GROUP_IDX_BYTES) + bytes(GROUP_IDX_BYTES),
+        good.decode("latin-1"), bytearray(good), memoryview(good), None,
+    ]  # fmt: skip
+    for case in cases:
+        alone = isinstance(case, bytes) and is_offload_key(case) and case.endswith(
+            bytes(GROUP_IDX_BYTES)
+        )
+        assert _all_group_zero([good, case, good]) is alone, case
+    assert _all_group_zero([]) and _all_group_zero([good, Key(good)])

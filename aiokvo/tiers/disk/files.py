@@ -57,9 +57,15 @@ class FileIO:
         os.fdatasync(fd)
 
 
+def _views(buffers: Sequence[Buffer]) -> list[memoryview]:
+    """``buffers`` as memoryviews (the pool's already are: a transfer pays this per block,
+    so nothing more; :func:`_skip` makes byte views in the rare short call)."""
+    return [b if type(b) is memoryview else memoryview(b) for b in buffers]
+
+
 def write_all(io: FileIO, fd: int, buffers: Sequence[Buffer], offset: int) -> int:
     """Write every byte of ``buffers`` at ``offset``, resuming after short writes."""
-    views = [memoryview(b).cast("B") for b in buffers]
+    views = _views(buffers)
     total = sum(v.nbytes for v in views)
     done = io.pwritev(fd, views, offset)
     while done < total:  # rare: a signal, or a filesystem that writes in pieces
@@ -73,7 +79,7 @@ def write_all(io: FileIO, fd: int, buffers: Sequence[Buffer], offset: int) -> in
 
 def read_all(io: FileIO, fd: int, buffers: Sequence[Buffer], offset: int) -> int:
     """Fill every byte of ``buffers`` from ``offset``; :class:`ShortRead` at end of file."""
-    views = [memoryview(b).cast("B") for b in buffers]
+    views = _views(buffers)
     total = sum(v.nbytes for v in views)
     done = io.preadv(fd, views, offset)
     while done < total:
@@ -90,6 +96,8 @@ def _skip(views: list[memoryview], n: int) -> list[memoryview]:
     """``views`` without their first ``n`` bytes."""
     rest: list[memoryview] = []
     for view in views:
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")  # sliced in bytes below
         if n >= view.nbytes:
             n -= view.nbytes
             continue

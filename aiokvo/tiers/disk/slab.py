@@ -21,7 +21,7 @@ import errno
 import fcntl
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -293,6 +293,30 @@ class SlabDirectory:
         """Mark ``slot`` free (before its payload is overwritten)."""
         self.io.pwrite(files.index_fd, FREE_ENTRY, entry_offset(slot))
 
+    def write_entries(self, files: SlabFiles, entries: Sequence[tuple[int, bytes]]) -> None:
+        """Write ``(slot, packed entry)`` pairs (commits, or :data:`FREE_ENTRY` to clear),
+        the entries of adjacent slots in one ``pwrite``: a transfer's slots are mostly
+        runs, so this is a few system calls, not one per block. Each entry is sealed on
+        its own, so a write torn by a crash leaves every entry whole or damaged."""
+        ordered = sorted(entries, key=lambda e: e[0])
+        fd, io = files.index_fd, self.io
+        lo = 0
+        while lo < len(ordered):
+            hi = lo + 1
+            while (
+                hi < len(ordered) and hi - lo < _ENTRIES_PER_WRITE
+                and ordered[hi][0] == ordered[hi - 1][0] + 1
+            ):  # fmt: skip
+                hi += 1
+            data = b"".join(entry for _, entry in ordered[lo:hi])
+            offset, done = entry_offset(ordered[lo][0]), 0
+            while done < len(data):  # rare: a signal, or a filesystem writing in pieces
+                wrote = io.pwrite(fd, data[done:] if done else data, offset + done)
+                if wrote <= 0:
+                    raise OSError(errno.EIO, f"pwrite wrote nothing at offset {offset + done}")
+                done += wrote
+            lo = hi
+
     def clear_if(self, files: SlabFiles, slot: int, generation: int) -> bool:
         """Free ``slot`` if its entry still has ``generation`` (a removed block's)."""
         entry = unpack_entry(self.io.pread(files.index_fd, ENTRY_BYTES, entry_offset(slot)))
@@ -385,6 +409,7 @@ def _try_lock(fd: int) -> bool:
 
 
 _READ_CHUNK = 1 << 20  # bytes of index read at once (a multiple of ENTRY_BYTES)
+_ENTRIES_PER_WRITE = 8192  # entries one pwrite writes at most (1 MiB)
 
 
 def _data_extents(fd: int, start: int, end: int) -> list[tuple[int, int]]:

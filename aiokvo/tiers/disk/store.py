@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from aiokvo.errors import ConfigError, TierChecksumError, TierTimeoutError, TierUnavailableError
@@ -55,7 +54,15 @@ from aiokvo.tiers.disk.files import (
     read_all,
     write_all,
 )
-from aiokvo.tiers.disk.format import ENTRY_BYTES, HEADER_PAGE, MAX_KEY_BYTES, Entry, SlabGeometry
+from aiokvo.tiers.disk.format import (
+    ENTRY_BYTES,
+    FREE_ENTRY,
+    HEADER_PAGE,
+    MAX_KEY_BYTES,
+    Entry,
+    SlabGeometry,
+    pack_entry,
+)
 from aiokvo.tiers.disk.runs import IOV_MAX, PARALLEL_READ_MIN_BYTES, adjacent_runs, shares
 from aiokvo.tiers.disk.slab import SlabDirectory, SlabFiles
 from aiokvo.tiers.disk.spec import DISK_MEDIUM
@@ -249,8 +256,11 @@ class DiskStore:
         slabs = _distinct(files)
         slot_bytes = self.slot_bytes
         try:
-            for slab, where in zip(files, locations, strict=True):
-                directory.clear(slab, where.slot)
+            for slab in slabs:
+                directory.write_entries(slab, [
+                    (where.slot, FREE_ENTRY)
+                    for f, where in zip(files, locations, strict=True) if f is slab
+                ])  # fmt: skip
             if commit:
                 for slab in slabs:
                     io.fdatasync(slab.index_fd)
@@ -258,12 +268,13 @@ class DiskStore:
             outcomes.fail_rest(Outcome.IO_ERROR, exc)
             return
         written: list[int] = []
+        rows = self._live_rows()
         sums = OverlappedChecksums(self._helper("write"))
         for run in self._runs(range(len(job)), job):
             if job.late():
                 _time_out(outcomes, run[0], "write", self.config.io_timeout)
                 break
-            buffers = [self._buffers(job, i) for i in run]
+            buffers = rows.blocks(job.groups, job.rows, run)
             sums.add(run, buffers, self._run_bytes(job, run))  # hashed while the write runs
             fd = self._fd(files[run[0]])
             if len(run) > 1:
@@ -285,17 +296,20 @@ class DiskStore:
                 written.append(i)
             if failed:
                 break
+        checksums = outcomes.checksums
         for i, value in sums.results():
-            outcomes.checksums[i] = value
-        rows = self._live_rows()
+            checksums[i] = value
         try:
             if commit and written:
                 for slab in slabs:
                     io.fdatasync(slab.data_fd)
-            for i in written:
-                where, key = locations[i], job.keys[i]
-                directory.commit(files[i], where.slot, key, outcomes.checksums[i],
-                                 where.generation, rows.payload[job.groups[i]])  # fmt: skip
+            for slab in slabs:
+                directory.write_entries(slab, [
+                    (locations[i].slot, pack_entry(job.keys[i], outcomes.checksums[i],
+                                                   locations[i].generation,
+                                                   rows.payload[job.groups[i]]))
+                    for i in written if files[i] is slab
+                ])  # fmt: skip
             if commit and written:
                 for slab in slabs:
                     io.fdatasync(slab.index_fd)
@@ -303,8 +317,7 @@ class DiskStore:
             for i in written:
                 outcomes.fail(i, Outcome.IO_ERROR, exc)
             return
-        for i in written:
-            outcomes.ok(i)
+        outcomes.ok_all(written)
 
     # ----------------------------------------------------------------- reads
     def read(self, job: BlockJob) -> None:
@@ -312,33 +325,40 @@ class DiskStore:
         outcomes = job.outcomes
         locations: Sequence[BlockLocation] = job.where
         files = self._files(locations, writer=False)
-        order = sorted(range(len(job)), key=lambda j: (locations[j].slab, locations[j].slot))
+        order = sorted(range(len(job)), key=locations.__getitem__)  # (slab, slot) first
         runs = self._runs(order, job)
         threads = self.config.read_threads
         big = self._run_bytes(job, range(len(job))) >= PARALLEL_READ_MIN_BYTES
         parts = shares(runs, threads) if threads > 1 and big else []
         if len(parts) > 1:
             pool = self._helper("read-io", threads - 1)()
-            helpers = [
-                pool.submit(self._read_runs, job, files, part, OverlappedChecksums(None))
-                for part in parts[1:]
-            ]
+            helpers = [pool.submit(self._read_verified, job, files, part, OverlappedChecksums(None))
+                       for part in parts[1:]]  # fmt: skip
             try:
-                own = OverlappedChecksums(None)
-                self._read_runs(job, files, parts[0], own)
+                good = self._read_verified(job, files, parts[0], OverlappedChecksums(None))
             finally:
                 wait(helpers)  # never return while a share may still write into the rows
-            found = [*own.results()]
             for helper in helpers:
-                found += helper.result().results()
+                good += helper.result()
         else:
             sums = OverlappedChecksums(self._helper("read"))
-            found = list(self._read_runs(job, files, runs, sums).results())
-        for i, value in found:  # verify every block read
-            if value == locations[i].checksum:
-                outcomes.ok(i)
+            good = self._read_verified(job, files, runs, sums)
+        outcomes.ok_all(good)
+
+    def _read_verified(
+        self, job: BlockJob, files: list[SlabFiles], runs: list[list[int]],
+        sums: OverlappedChecksums,
+    ) -> list[int]:  # fmt: skip
+        """Read ``runs`` and verify every block read (a share verifies its own blocks
+        while the other shares' reads run); the good blocks, failures to the outcomes."""
+        expected: Sequence[BlockLocation] = job.where
+        good = []
+        for i, value in self._read_runs(job, files, runs, sums).results():
+            if value == expected[i].checksum:
+                good.append(i)
             else:
                 self._mismatch(job, files[i], i, value)
+        return good
 
     def _read_runs(
         self, job: BlockJob, files: list[SlabFiles], runs: list[list[int]],
@@ -346,6 +366,7 @@ class DiskStore:
     ) -> OverlappedChecksums:  # fmt: skip
         """Read ``runs`` (their blocks' checksums go to ``sums``); failures to the outcomes."""
         io, outcomes, slot_bytes = self._io, job.outcomes, self.slot_bytes
+        rows = self._live_rows()
         locations: Sequence[BlockLocation] = job.where
         for n, run in enumerate(runs):
             if job.late():
@@ -353,7 +374,7 @@ class DiskStore:
                     for j in later:
                         _time_out(outcomes, j, "read", self.config.io_timeout, only=True)
                 break
-            buffers = [self._buffers(job, i) for i in run]
+            buffers = rows.blocks(job.groups, job.rows, run)
             fd = self._fd(files[run[0]])
             if len(run) > 1:
                 try:
@@ -467,9 +488,6 @@ class DiskStore:
             files.append(slab)
         return files
 
-    def _buffers(self, job: BlockJob, i: int) -> list[np.ndarray]:
-        return self._live_rows().buffers(job.groups[i], job.rows[i])
-
     def _fd(self, slab: SlabFiles) -> int:
         direct = slab.direct_fd
         return direct if direct is not None and self._aligned else slab.data_fd
@@ -489,16 +507,18 @@ class DiskStore:
         )
 
     def _in_file(
-        self, locations: Sequence[BlockLocation], run: list[int], buffers: list[list[np.ndarray]]
-    ) -> tuple[list[np.ndarray], int]:
+        self, locations: Sequence[BlockLocation], run: list[int], buffers: list[list[memoryview]]
+    ) -> tuple[list[memoryview], int]:
         """A run's buffers as the file holds them (a descending run reversed), and
         where it starts: the arguments of its one coalesced call."""
         if locations[run[1]].slot < locations[run[0]].slot:
             return _flat(buffers[::-1]), locations[run[-1]].slot * self.slot_bytes
         return _flat(buffers), locations[run[0]].slot * self.slot_bytes
 
-    def _run_bytes(self, job: BlockJob, run: Iterable[int]) -> int:
+    def _run_bytes(self, job: BlockJob, run: Sequence[int]) -> int:
         payload, groups = self._live_rows().payload, job.groups
+        if len(payload) == 1:
+            return payload[0] * len(run)
         return sum(payload[groups[i]] for i in run)
 
     def _helper(self, role: str, threads: int = 1) -> Callable[[], ThreadPoolExecutor]:
@@ -530,7 +550,7 @@ def _time_out(outcomes: Outcomes, i: int, what: str, timeout: float, *, only: bo
         outcomes.fail(j, Outcome.TIMEOUT, error)
 
 
-def _flat(blocks: list[list[np.ndarray]]) -> list[np.ndarray]:
+def _flat(blocks: list[list[memoryview]]) -> list[memoryview]:
     return [b for buffers in blocks for b in buffers]
 
 

@@ -101,7 +101,7 @@ class BlockRows:
         """Bytes of ``key``'s object: payload and trailer."""
         return self.payload[get_offload_group_idx(key)] + TRAILER_BYTES
 
-    def buffers(self, group: int, row: int) -> list[np.ndarray]:
+    def buffers(self, group: int, row: int) -> list[memoryview]:
         """The block's payload (its rows, never the trailer room) as views."""
         return self.pool.buffers(group, row)
 

@@ -163,6 +163,43 @@ async def test_slots_freed_together_come_back_descending_and_are_written_in_one_
         assert off.statistics().tiers[0].checksum_failures == 0
 
 
+class EntryWritesIO(FaultyIO):
+    """Counts the index's pwrites (entries cleared and committed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entry_writes = 0
+
+    def pwrite(self, fd: int, data: bytes, offset: int) -> int:
+        self.entry_writes += 1
+        return super().pwrite(fd, data, offset)
+
+
+@pytest.mark.parametrize("previous", [False, True], ids=["fresh-ascending", "reused-descending"])
+async def test_the_index_entries_of_adjacent_slots_are_cleared_and_committed_in_one_call_each(
+    disk_tier_path: Path, previous: bool
+) -> None:
+    kv = KV()
+    io = EntryWritesIO()
+    old, new = keys("eold", 4), keys("enew", 4)
+    async with offloader(
+        kv, disk_tier_path, cpu_blocks=4, slots=4, file_io=io, max_write_blocks=4
+    ) as off:
+        if previous:
+            await fill(off, kv, old)  # new then evicts these and reuses their slots
+        before = io.entry_writes
+        await fill(off, kv, new, start=4)
+        assert io.entry_writes - before == 2  # one clear and one commit for the four
+    kv.clear(range(64))
+    async with offloader(kv, disk_tier_path, cpu_blocks=4, slots=4) as off:  # entries on disk
+        tier = off.tiers[0]
+        assert is_disk_tier(tier)
+        assert tier.statistics().adopted_blocks == 4
+        assert await off.load_prefix(new, [30, 31, 32, 33]) == 4
+        assert kv.holds([30, 31, 32, 33], new)
+        assert off.statistics().tiers[0].checksum_failures == 0
+
+
 async def test_a_data_file_cut_mid_run_serves_the_blocks_before_the_cut(
     disk_tier_path: Path,
 ) -> None:

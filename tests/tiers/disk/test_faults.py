@@ -367,3 +367,41 @@ async def test_a_transfer_naming_one_cpu_block_twice_is_refused_before_any_io(
             await off.worker.transfer_async(9_001, (load.spec, CPULoadStoreSpec([5, 5])))
         tier.complete_load(load, TransferResult(9_001, False))
         assert tier.statistics().blocks_read == 0
+
+
+class _Dribble(FileIO):
+    """Moves at most ``step`` bytes per call, as a filesystem writing in pieces may."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def pwritev(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
+        return os.pwritev(fd, _head(buffers, self.step), offset)
+
+    def preadv(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
+        return os.preadv(fd, _head(buffers, self.step), offset)
+
+
+@pytest.mark.parametrize("kind", ["memoryview", "int16-rows"])
+def test_short_calls_resume_in_bytes_whatever_the_buffers_item_size(
+    tmp_path: Path, kind: str
+) -> None:
+    import numpy as np
+
+    from aiokvo.tiers.disk.files import read_all, write_all
+
+    rng = np.random.default_rng(3)
+    rows = rng.integers(-(2**15), 2**15, size=(3, 500), dtype=np.int16)  # 1000 bytes a row
+    buffers: list[Any] = [rows[0], rows[1], rows[2]]
+    if kind == "memoryview":
+        buffers = [memoryview(r.view(np.uint8)) for r in buffers]
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        io = _Dribble(333)  # never on an item boundary of the int16 rows
+        assert write_all(io, fd, buffers, 4096) == 3000
+        back = np.zeros_like(rows)
+        assert read_all(io, fd, [back[0], back[1], back[2]], 4096) == 3000
+        assert np.array_equal(back, rows)
+        assert os.pread(fd, 3000, 4096) == rows.tobytes()
+    finally:
+        os.close(fd)
