@@ -464,6 +464,10 @@ class KVEventPublisher(AsyncResource):
             self._held = held = int(type(first) is not Lagged)
             if self._interval:  # gather more steps into this batch
                 await asyncio.sleep(self._interval)
+            if writer.in_flight >= self._max_queue:
+                # The thread is behind: hand it nothing more until it has caught up, so
+                # what waits stays bounded (the subscription drops and counts the rest).
+                await writer.wait()
             events = sub.qsize() + held
             items = sub.drain_nowait()
             items.insert(0, first)

@@ -240,6 +240,41 @@ async def test_translation_and_sends_run_on_the_writer_thread_not_the_loop(
     assert all((ident != loop_thread) is thread for ident in seen), (seen, loop_thread)
 
 
+async def test_a_writer_thread_that_falls_behind_is_handed_a_bounded_backlog(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Events wait in the subscription (bounded, overflow counted), not in an unbounded
+    hand-over queue, while the writer thread is stuck."""
+    from aiokvo.telemetry.kv_writer import BatchWriter
+
+    gate = threading.Event()
+    publish = BatchWriter._publish
+
+    def stuck(self: BatchWriter, items: list[object], events: int) -> None:
+        gate.wait(30)
+        publish(self, items, events)
+
+    monkeypatch.setattr(BatchWriter, "_publish", stuck)
+    manager = CPUOffloadingManager(64)
+    async with KVEventPublisher(manager, LOOPBACK, max_queue=4, batch_interval=0) as publisher:
+        try:
+            in_flight = []
+            for i in range(40):  # forty ticks of one event while the thread is stuck
+                store(manager, [key(i)])
+                for _ in range(3):
+                    await asyncio.sleep(0)
+                in_flight.append(publisher._writer.in_flight)
+            stats = publisher.statistics()
+        finally:
+            gate.set()  # whatever failed, let the thread go
+        assert max(in_flight) <= 2 * 4, in_flight
+        assert stats.queued <= 3 * 4, stats  # in the subscription, held, handed over
+        await publisher.flush()
+        stats = publisher.statistics()
+        assert stats.events_dropped > 0, stats  # counted as the thread reaches the gap
+        assert stats.events_sent + stats.events_dropped == 40 and stats.queued == 0
+
+
 async def test_describe_while_the_pump_holds_an_older_store_of_the_key(
     zctx: zmq.asyncio.Context,
 ) -> None:
