@@ -16,8 +16,11 @@ tiers) exactly as they index vLLM's GPU blocks:
 
 Nothing here runs on the manager's path. The manager pushes into a bounded
 :class:`~aiokvo.events.EventSubscription` (it never waits); when events come,
-a task on the loop waits ``batch_interval`` (2 ms) and sends what came as one
-batch, so an engine whose steps take longer gets one batch per step, as vLLM
+a task on the loop waits ``batch_interval`` (2 ms) and hands what came, as
+one batch, to the publisher's writer thread
+(:mod:`aiokvo.telemetry.kv_writer`), which translates, encodes and sends it
+there: the loop's share is two wake-ups and a queue put per batch, nothing
+per key. An engine whose steps take longer gets one batch per step, as vLLM
 publishes. Both sockets are ``zmq.asyncio`` sockets that never block: PUB
 drops messages for a subscriber past its high-water mark (the subscriber sees
 a gap in ``seq`` and can replay), and the replay ROUTER pauses, then drops,
@@ -36,15 +39,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import struct
-import time
-from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 try:
-    import msgspec
+    import msgspec  # noqa: F401  (needed by the modules below: named by this error)
     import zmq
     import zmq.asyncio
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -59,14 +59,8 @@ from aiokvo.keys import OffloadKey
 from aiokvo.manager.sink import OverflowPolicy
 from aiokvo.specs import BlockMetadata, ReqContext
 from aiokvo.telemetry.kv_replay import END_SEQ, ReplayLimits, ReplayServer
-from aiokvo.telemetry.kv_wire import (
-    Encoding,
-    EventBatch,
-    EventTranslator,
-    HashFormat,
-    WireMedium,
-    array_header,
-)
+from aiokvo.telemetry.kv_wire import Encoding, EventTranslator, HashFormat, WireMedium
+from aiokvo.telemetry.kv_writer import BatchWriter
 
 __all__ = [
     "DEFAULT_BATCH_INTERVAL",
@@ -85,10 +79,6 @@ _LAG_POLICIES: tuple[LagPolicy, ...] = ("count", "clear")
 DEFAULT_BATCH_INTERVAL = 0.002
 """Seconds of events one batch gathers by default (benchmarks/RESULTS.md, "KV events")."""
 
-_FLOAT64 = struct.Struct(">d")
-_MORE = int(zmq.SNDMORE | zmq.DONTWAIT)  # plain ints: enum arithmetic per frame costs
-_LAST = int(zmq.DONTWAIT)
-
 
 class _Subscription(Protocol):
     """What the publisher reads (``aiokvo.events.EventSubscription``)."""
@@ -98,6 +88,9 @@ class _Subscription(Protocol):
     def drain_nowait(self) -> list[Any]: ...
 
     def qsize(self) -> int: ...
+
+    @property
+    def dropped(self) -> int: ...
 
     def close(self) -> None: ...
 
@@ -123,7 +116,8 @@ class KVEventPublisherStatistics:
     send_errors: int
     """Batches that failed to encode or send (logged; their sequence number is skipped)."""
     queued: int
-    """Source events waiting in the subscription."""
+    """Source events not yet published: in the subscription, or handed to the writer
+    thread."""
     replay_requests: int
     """Well-formed replay requests received (a peer's new request replaces its old one)."""
     replays_served: int
@@ -189,7 +183,11 @@ class KVEventPublisher(AsyncResource):
     steps take longer (a real one: milliseconds) still gets one batch per step,
     as vLLM sends, at most 2 ms later; a scheduler that steps far more often
     pays the per-batch work once per interval. 0 sends one batch per loop
-    wake-up. ``replay_limits`` bounds what replay peers can make
+    wake-up. ``thread`` (default True) translates, encodes and sends each
+    batch on a writer thread of the publisher's own, as vLLM's publisher does,
+    so the loop's share is a hand-over per batch, not work per key; False
+    does it all on the loop, in the pump task (no thread).
+    ``replay_limits`` bounds what replay peers can make
     the publisher do (:class:`~aiokvo.telemetry.kv_replay.ReplayLimits`).
     ``context`` is a ``zmq.asyncio`` context to use (default: one of its
     own, terminated on close).
@@ -213,6 +211,7 @@ class KVEventPublisher(AsyncResource):
         on_lag: LagPolicy = "count",
         max_described: int = 65_536,
         batch_interval: float = DEFAULT_BATCH_INTERVAL,
+        thread: bool = True,
         bind: bool | None = None,
         replay_limits: ReplayLimits | None = None,
         context: zmq.asyncio.Context | None = None,
@@ -251,22 +250,19 @@ class KVEventPublisher(AsyncResource):
         self._rank = data_parallel_rank
         self._context = context
         self._own_context = context is None
-        self._batch_frame = _batch_frame(self._rank)
+        self._writer = BatchWriter(
+            self._translator, topic=self._topic, rank=self._rank,
+            buffer_steps=self._buffer_steps, max_buffer_bytes=self._max_buffer_bytes,
+            on_lag=self._on_lag, max_queue=self._max_queue, thread=_check_bool("thread", thread),
+        )
 
         self._sub: _Subscription | None = None
         self._pub: zmq.asyncio.Socket | None = None
-        self._send: Callable[[bytes, int], object] | None = None
         self._router: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._idle = asyncio.Event()
+        self._held = 0  # the event the pump holds while it gathers a batch (0 or 1)
         self._state: Literal["new", "running", "closed"] = "new"
-        self._buffer: deque[tuple[int, bytes]] = deque()
-        self._buffer_bytes = 0
-        self._seq = 0
-        self._events_sent = 0
-        self._events_dropped = 0
-        self._lag_clears = 0
-        self._send_errors = 0
 
     # -- lifetime --------------------------------------------------------------------
 
@@ -308,7 +304,8 @@ class KVEventPublisher(AsyncResource):
                 self._context = None
             raise
         self._pub, self._router = pub, router
-        self._send = zmq.Socket.shadow(pub.underlying).send
+        # From here on only the writer thread uses the PUB socket (until it ends).
+        self._writer.start(zmq.Socket.shadow(pub.underlying).send)
         self._state = "running"
         if self._bind:
             logger.info("KV events: PUB bound to %s; subscribers connect there%s",
@@ -322,8 +319,10 @@ class KVEventPublisher(AsyncResource):
             )
         self._tasks.append(asyncio.create_task(self._pump(), name="aiokvo-kv-events-pub"))
         if router is not None:
+            writer = self._writer
             self._replayer = ReplayServer(
-                router, self._buffer, self._topic, lambda: self._seq, self._replay_limits
+                router, writer.buffer, self._topic, lambda: writer.seq, self._replay_limits,
+                lock=writer.lock,
             )
             self._tasks.append(
                 asyncio.create_task(self._replayer.run(), name="aiokvo-kv-events-replay")
@@ -342,7 +341,9 @@ class KVEventPublisher(AsyncResource):
             task.cancel()
         try:
             await asyncio.gather(pump, *others, return_exceptions=True)
+            await self._writer.stop()  # it sends what the pump handed over, then ends
         finally:
+            self._writer.stop_nowait()  # a cancelled close: the socket must not outlive it
             for sock in (self._pub, self._router):
                 if sock is not None:
                     sock.close(linger=0)
@@ -358,6 +359,7 @@ class KVEventPublisher(AsyncResource):
                 continue  # woken, but the pump took events meanwhile and holds them
             assert self._sub is not None
             if not self._sub.qsize():
+                await self._writer.wait()  # what the pump handed over is sent
                 return
             await asyncio.sleep(0)
 
@@ -376,10 +378,21 @@ class KVEventPublisher(AsyncResource):
         :class:`~aiokvo.specs.BlockMetadata` (token ids, block size, parent
         hash, LoRA, extra keys) around ``prepare_store``; pass
         ``only=out.keys_to_store`` to record just the blocks being stored.
-        Synchronous and cheap (one table insert per key); see
+        Synchronous and cheap: the checks run here (bad metadata raises
+        :class:`~aiokvo.errors.ConfigError` at once); the writer thread
+        records the entries just before the first event the source makes after
+        this call, so a store event made before it never takes its metadata
+        however late the batch is translated. See
         :meth:`EventTranslator.describe <aiokvo.telemetry.kv_wire.EventTranslator.describe>`.
         """
-        self._translator.describe(keys, context, only=only)
+        description = self._translator.prepare_description(keys, context, only=only)
+        if description is None:
+            return
+        sub = self._sub
+        pushed = 0 if sub is None else (
+            self._writer.events_handed + self._held + sub.qsize() + sub.dropped
+        )
+        self._writer.describe(pushed, description)
 
     # -- introspection ---------------------------------------------------------------
 
@@ -395,13 +408,19 @@ class KVEventPublisher(AsyncResource):
 
     def statistics(self) -> KVEventPublisherStatistics:
         replayer = self._replayer
+        writer = self._writer
+        with writer.lock:
+            seq, events_sent, send_errors = writer.seq, writer.events_sent, writer.send_errors
+            buffer_batches, buffer_bytes = len(writer.buffer), writer.buffer_bytes
+            in_flight = writer.in_flight
         return KVEventPublisherStatistics(
-            batches_sent=self._seq - self._send_errors,
-            events_sent=self._events_sent,
-            events_dropped=self._events_dropped,
-            lag_clears=self._lag_clears,
-            send_errors=self._send_errors,
-            queued=self._sub.qsize() if self._sub is not None else 0,
+            batches_sent=seq - send_errors,
+            events_sent=events_sent,
+            events_dropped=writer.events_dropped,
+            lag_clears=writer.lag_clears,
+            send_errors=send_errors,
+            queued=(self._sub.qsize() if self._sub is not None else 0) + self._held
+            + in_flight,
             replay_requests=0 if replayer is None else replayer.requests,
             replays_served=0 if replayer is None else replayer.served,
             replay_batches_sent=0 if replayer is None else replayer.batches_sent,
@@ -412,9 +431,9 @@ class KVEventPublisher(AsyncResource):
             replays_truncated=0 if replayer is None else replayer.truncated,
             replays_in_progress=0 if replayer is None else replayer.in_progress,
             replays_pending=0 if replayer is None else replayer.pending,
-            buffer_batches=len(self._buffer),
-            buffer_bytes=self._buffer_bytes,
-            described_keys=self._translator.described,
+            buffer_batches=buffer_batches,
+            buffer_bytes=buffer_bytes,
+            described_keys=writer.described,
             described_dropped=self._translator.described_dropped,
             pub_mode="bind" if self._bind else "connect",
             pub_endpoint=self._endpoint,
@@ -422,7 +441,7 @@ class KVEventPublisher(AsyncResource):
 
     def __repr__(self) -> str:
         mode = "bound to" if self._bind else "connecting to"
-        return f"<KVEventPublisher {self._state} {mode} {self._endpoint!r} seq={self._seq}>"
+        return f"<KVEventPublisher {self._state} {mode} {self._endpoint!r} seq={self._writer.seq}>"
 
     def _replay_note(self) -> str:
         replay = self._replay_endpoint
@@ -431,7 +450,7 @@ class KVEventPublisher(AsyncResource):
     # -- the tasks -------------------------------------------------------------------
 
     async def _pump(self) -> None:
-        sub = self._sub
+        sub, writer = self._sub, self._writer
         assert sub is not None
         while True:
             self._idle.set()
@@ -440,86 +459,29 @@ class KVEventPublisher(AsyncResource):
             except SubscriptionClosed:
                 return
             self._idle.clear()
+            # Taken from the subscription, not yet handed over: describe() and
+            # statistics() count it.
+            self._held = held = int(type(first) is not Lagged)
             if self._interval:  # gather more steps into this batch
                 await asyncio.sleep(self._interval)
+            if writer.in_flight >= self._max_queue:
+                # The thread is behind: hand it nothing more until it has caught up, so
+                # what waits stays bounded (the subscription drops and counts the rest).
+                await writer.wait()
+            events = sub.qsize() + held
             items = sub.drain_nowait()
             items.insert(0, first)
-            try:
-                self._publish(items)
-            except Exception:  # keep publishing; a router resyncs from the seq gap
-                self._send_errors += 1
-                self._seq += 1
-                logger.exception("KV event batch %d could not be published", self._seq - 1)
-
-    def _publish(self, items: list[Any]) -> None:
-        batch: list[Any] = []  # source events, and AllBlocksCleared where events were lost
-        for item in items:
-            if isinstance(item, Lagged):
-                self._lost(item.missed, batch)
-            else:
-                batch.append(item)
-        parts: list[bytes] = [b""]  # the batch's head goes first, once the count is known
-        count = self._translator.encode(batch, parts)
-        if not count:
-            return
-        # EventBatch [ts, events, rank] around the encoded events: what msgspec writes.
-        head, tail = self._batch_frame
-        parts[0] = head + _FLOAT64.pack(time.time()) + array_header(count)
-        parts.append(tail)
-        payload = b"".join(parts)
-        seq = self._seq
-        send = self._send
-        assert send is not None
-        # A PUB send never blocks (past the HWM it drops), so this sends through
-        # a synchronous view of the socket: 0.8 us a batch instead of 4.7 us for
-        # the awaitable send_multipart. Multipart is atomic: once the first
-        # frame is taken, the others are.
-        try:
-            send(self._topic, _MORE)
-        except zmq.Again:  # pragma: no cover - PUB drops instead; kept for safety
-            self._send_errors += 1
-            self._seq = seq + 1
-            return
-        send(seq.to_bytes(8, "big"), _MORE)
-        send(payload, _LAST)
-        self._seq = seq + 1
-        self._events_sent += count
-        self._remember(seq, payload)
-
-    def _lost(self, missed: int, events: list[Any]) -> None:
-        if not self._events_dropped:
-            logger.warning(
-                "KV event subscription overflowed: %d events lost (max_queue=%d); "
-                "routers miss them (see statistics().events_dropped)",
-                missed, self._max_queue,
-            )
-        self._events_dropped += missed
-        if self._on_lag == "clear":
-            self._lag_clears += 1
-            events.append(self._translator.all_cleared())
-
-    def _remember(self, seq: int, payload: bytes) -> None:
-        if not self._buffer_steps:
-            return
-        buffer = self._buffer
-        buffer.append((seq, payload))
-        self._buffer_bytes += len(payload)
-        while len(buffer) > self._buffer_steps or (
-            self._buffer_bytes > self._max_buffer_bytes and buffer
-        ):
-            self._buffer_bytes -= len(buffer.popleft()[1])
-
-
-def _batch_frame(rank: int | None) -> tuple[bytes, bytes]:
-    """msgspec's encoding of ``EventBatch(ts, events, rank)`` around ``ts`` and ``events``:
-    the array header and the float marker before ``ts``, and what follows the events."""
-    empty = msgspec.msgpack.encode(EventBatch(0.0, [], rank))
-    # [0x93|0x92] [0xcb + 8 bytes of ts] [0x90: no events] [rank]
-    assert empty[1] == 0xCB and empty[10] == 0x90, empty
-    return empty[:2], empty[11:]
+            writer.submit(items, events)
+            self._held = 0
 
 
 # -- endpoints ---------------------------------------------------------------------
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be a bool, got {value!r}")
+    return value
 
 
 def _check_endpoint(name: str, endpoint: object) -> str:

@@ -44,6 +44,7 @@ import time
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,8 +128,10 @@ class ReplayServer:
     """Answers replay requests on ``router`` from ``buffer``, within :class:`ReplayLimits`.
 
     ``buffer`` is the publisher's ``deque`` of ``(seq, payload)`` in
-    increasing ``seq`` (read, never changed); ``next_seq()`` is the number
-    the next live batch gets: a replay stops before it. ``clock`` is for tests.
+    increasing ``seq`` (read, never changed here); ``next_seq()`` is the
+    number the next live batch gets: a replay stops before it. The
+    publisher's writer thread changes both while holding ``lock``, so they
+    are read under it. ``clock`` is for tests.
     """
 
     def __init__(
@@ -139,12 +142,14 @@ class ReplayServer:
         next_seq: Callable[[], int],
         limits: ReplayLimits,
         *,
+        lock: AbstractContextManager[Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._router = router
         # A synchronous view of the same socket: non-blocking sends and receives.
         self._sock: zmq.Socket[bytes] = zmq.Socket.shadow(router.underlying)
         self._buffer = buffer
+        self._lock = nullcontext() if lock is None else lock
         self._topic = topic
         self._next_live = next_seq
         self._limits = limits
@@ -241,9 +246,9 @@ class ReplayServer:
         while pending and len(active) < self._limits.max_replays:
             identity = next(iter(pending))
             seq = pending.pop(identity)
-            active[identity] = _Replay(
-                identity, seq, self._next_live(), self._limits.max_replay_bytes
-            )
+            with self._lock:
+                stop = self._next_live()
+            active[identity] = _Replay(identity, seq, stop, self._limits.max_replay_bytes)
 
     # -- replies ----------------------------------------------------------------------
 
@@ -284,6 +289,10 @@ class ReplayServer:
         return sent
 
     def _next_entry(self, replay: _Replay) -> tuple[int, bytes] | None:
+        with self._lock:
+            return self._next_entry_locked(replay)
+
+    def _next_entry_locked(self, replay: _Replay) -> tuple[int, bytes] | None:
         buffer = self._buffer
         if not buffer or replay.next_seq >= replay.stop_seq:
             return None

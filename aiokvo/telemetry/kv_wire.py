@@ -53,6 +53,7 @@ __all__ = [
     "ArrayBlockStored",
     "BlockRemoved",
     "BlockStored",
+    "Description",
     "Encoding",
     "EventBatch",
     "EventLike",
@@ -194,6 +195,14 @@ class _Described:
     def __init__(self, keys: Sequence[OffloadKey], metadata: BlockMetadata) -> None:
         self.keys = keys
         self.metadata = metadata
+
+
+class Description(NamedTuple):
+    """A checked :meth:`EventTranslator.describe` call, to be recorded later."""
+
+    keys: Sequence[OffloadKey]
+    """The keys whose next store event it describes."""
+    entry: _Described
 
 
 class _Generations:
@@ -351,11 +360,27 @@ class EventTranslator:
         blocks that will be published. Raises :class:`ConfigError` if the
         metadata does not cover the keys, before recording anything.
         """
+        prepared = self.prepare_description(keys, context, only=only)
+        if prepared is not None:
+            self.record_description(prepared)
+
+    def prepare_description(
+        self,
+        keys: Sequence[OffloadKey],
+        context: ReqContext | BlockMetadata,
+        *,
+        only: Collection[OffloadKey] | None = None,
+    ) -> Description | None:
+        """:meth:`describe`'s checks, and what it would record, without recording it.
+
+        For a caller that records it later, in order with the events (the
+        publisher's writer thread); None when ``context`` carries no metadata.
+        """
         keys = key_sequence(keys, "describe")  # a bare key iterates as ints
         check_keys(keys, "describe")
         metadata = context.block_metadata if isinstance(context, ReqContext) else context
         if metadata is None:
-            return
+            return None
         if not isinstance(metadata, BlockMetadata):
             raise ConfigError(f"context must carry a BlockMetadata, got {metadata!r}")
         count = len(keys)
@@ -374,7 +399,11 @@ class EventTranslator:
             missing = set(only).difference(keys)
             if missing:
                 raise ConfigError(f"only names keys that are not in keys: {sorted(missing)!r}")
-        self._described.put_many(keys if only is None else only, _Described(keys, metadata))
+        return Description(keys if only is None else tuple(only), _Described(keys, metadata))
+
+    def record_description(self, description: Description) -> None:
+        """Record what :meth:`prepare_description` returned (one table insert per key)."""
+        self._described.put_many(description.keys, description.entry)
 
     @property
     def described(self) -> int:

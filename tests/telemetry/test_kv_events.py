@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import threading
 from collections.abc import AsyncIterator
 
 import pytest
@@ -16,6 +17,7 @@ from aiokvo.keys import OffloadKey, make_offload_key
 from aiokvo.manager.cpu import CPUOffloadingManager
 from aiokvo.specs import BlockMetadata, ReqContext
 from aiokvo.telemetry.kv_events import END_SEQ, KVEventPublisher
+from aiokvo.telemetry.kv_wire import EventTranslator
 from tests.telemetry import vllm_spec as spec
 
 pytestmark = pytest.mark.both_loops
@@ -213,6 +215,101 @@ async def test_a_lagging_subscription_is_counted_and_can_clear_the_router(
         assert [e.block_hashes for e in events[1:]] == [[ext(key(3))], [ext(key(4))]]
 
 
+@pytest.mark.parametrize("thread", [True, False])
+async def test_translation_and_sends_run_on_the_writer_thread_not_the_loop(
+    monkeypatch: pytest.MonkeyPatch, thread: bool
+) -> None:
+    """The publisher's per-key work is off the loop's thread (issue 22); thread=False
+    keeps it on the loop."""
+    seen: list[int] = []
+    encode = EventTranslator.encode
+
+    def spy(self: EventTranslator, items: object, out: list[bytes]) -> int:
+        seen.append(threading.get_ident())
+        return encode(self, items, out)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(EventTranslator, "encode", spy)
+    manager = CPUOffloadingManager(64)
+    async with KVEventPublisher(manager, LOOPBACK, thread=thread) as publisher:
+        for i in range(3):
+            store(manager, [key(i)])
+            await publisher.flush()
+        assert publisher.statistics().events_sent == 3
+    loop_thread = threading.get_ident()
+    assert len(seen) == 3
+    assert all((ident != loop_thread) is thread for ident in seen), (seen, loop_thread)
+
+
+async def test_a_writer_thread_that_falls_behind_is_handed_a_bounded_backlog(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Events wait in the subscription (bounded, overflow counted), not in an unbounded
+    hand-over queue, while the writer thread is stuck."""
+    from aiokvo.telemetry.kv_writer import BatchWriter
+
+    gate = threading.Event()
+    publish = BatchWriter._publish
+
+    def stuck(self: BatchWriter, items: list[object], events: int) -> None:
+        gate.wait(30)
+        publish(self, items, events)
+
+    monkeypatch.setattr(BatchWriter, "_publish", stuck)
+    manager = CPUOffloadingManager(64)
+    async with KVEventPublisher(manager, LOOPBACK, max_queue=4, batch_interval=0) as publisher:
+        try:
+            in_flight = []
+            for i in range(40):  # forty ticks of one event while the thread is stuck
+                store(manager, [key(i)])
+                for _ in range(3):
+                    await asyncio.sleep(0)
+                in_flight.append(publisher._writer.in_flight)
+            stats = publisher.statistics()
+        finally:
+            gate.set()  # whatever failed, let the thread go
+        assert max(in_flight) <= 2 * 4, in_flight
+        assert stats.queued <= 3 * 4, stats  # in the subscription, held, handed over
+        await publisher.flush()
+        stats = publisher.statistics()
+        assert stats.events_dropped > 0, stats  # counted as the thread reaches the gap
+        assert stats.events_sent + stats.events_dropped == 40 and stats.queued == 0
+
+
+async def test_describe_while_the_pump_holds_an_older_store_of_the_key(
+    zctx: zmq.asyncio.Context,
+) -> None:
+    """A store event made before describe() never takes its metadata, even when the
+    pump has already taken it from the subscription and is gathering its batch."""
+    manager = CPUOffloadingManager(1)
+    ctx = ReqContext(block_metadata=BlockMetadata(token_ids=list(range(16)), block_size=16))
+    async with KVEventPublisher(manager, LOOPBACK, batch_interval=0.2) as publisher:
+        sub, _ = await subscribe(zctx, publisher, manager)
+        k, other = key(0), key(1)
+        assert store(manager, [k])  # two events: a probe evicted, a placeholder store of k
+        sub_queue = publisher._sub
+        assert sub_queue is not None
+        for _ in range(1000):  # until the pump has taken the first (and waits out the interval)
+            await asyncio.sleep(0)
+            if sub_queue.qsize() < 2:
+                break
+        assert sub_queue.qsize() == 1
+        assert publisher.statistics().queued == 2  # the one the pump holds is counted
+        publisher.describe([k], ctx)  # for k's *next* store
+        await publisher.flush()
+        _, batch = await sub.recv_batch()
+        stored = [e for e in batch.events if isinstance(e, spec.BlockStored)]
+        assert [(e.block_hashes, e.token_ids) for e in stored] == [([ext(k)], [])]
+        assert publisher.statistics().described_keys == 1
+        store(manager, [other])  # evicts k
+        store(manager, [k])  # evicts other; k's next store: described
+        await publisher.flush()
+        _, batch = await sub.recv_batch()
+        stored = [e for e in batch.events if isinstance(e, spec.BlockStored)]
+        assert [(e.block_hashes, e.token_ids) for e in stored] == [
+            ([ext(other)], []), ([ext(k)], list(range(16)))]
+        assert publisher.statistics().described_keys == 0
+
+
 async def test_a_batch_interval_gathers_several_ticks_into_one_batch() -> None:
     manager = CPUOffloadingManager(64)
     async with KVEventPublisher(manager, LOOPBACK, batch_interval=0.05) as publisher:
@@ -296,6 +393,7 @@ async def test_close_publishes_what_is_queued_and_is_final() -> None:
         ((CPUOffloadingManager(1), LOOPBACK), {"max_queue": 0}, "max_queue must be an int >= 1"),
         ((CPUOffloadingManager(1), LOOPBACK), {"topic": b"x"}, "topic must be a str"),
         ((CPUOffloadingManager(1), LOOPBACK), {"bind": "yes"}, "bind must be a bool"),
+        ((CPUOffloadingManager(1), LOOPBACK), {"thread": 1}, "thread must be a bool, got 1"),
         ((CPUOffloadingManager(1), LOOPBACK), {"batch_interval": -1},
          "batch_interval must be 0..60 seconds, got -1"),
         ((CPUOffloadingManager(1), LOOPBACK), {"data_parallel_rank": -1},

@@ -128,7 +128,7 @@ async def test_one_request_is_answered_with_at_most_max_replay_bytes(
     async with KVEventPublisher(manager, LOOPBACK, replay_endpoint=LOOPBACK,
                                 replay_limits=limits) as publisher:
         await fill(publisher, manager, 12, keys_per_batch=20)
-        sizes = [len(payload) for _, payload in publisher._buffer]
+        sizes = [len(payload) for _, payload in publisher._writer.buffer]
         assert all(250 < size <= 500 for size in sizes), sizes
         sock = dealer(zctx, publisher.replay_endpoint or "")
         got: list[int] = []
@@ -228,7 +228,7 @@ async def test_each_client_socket_type_gets_exactly_the_documented_frames(
         await req.send(bytes(8))  # nothing buffered yet: only the end marker
         assert await asyncio.wait_for(req.recv_multipart(), 10) == [b"", END_SEQ, b""]
         await fill(publisher, manager, 2)
-        first, second = (payload for _, payload in publisher._buffer)
+        first, second = (payload for _, payload in publisher._writer.buffer)
         sock = dealer(zctx, endpoint)
         assert await replay(sock, 0) == [
             [b"", b"kv", (0).to_bytes(8, "big"), first],

@@ -361,7 +361,7 @@ def test_encode_takes_the_numpy_path_for_a_large_plain_batch() -> None:
 
 def test_the_publishers_batches_are_msgspecs_event_batches() -> None:
     """The publisher writes the batch frame around the encoded events itself."""
-    from aiokvo.telemetry.kv_events import _batch_frame
+    from aiokvo.telemetry.kv_writer import _batch_frame
 
     translator = EventTranslator()
     events = [OffloadingEvent([key(i) for i in range(30)], "CPU", False)]
