@@ -28,7 +28,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
-from vllm.v1.kv_offload.base import Medium, RequestOffloadingContext
+from vllm.v1.kv_offload.base import LookupResult, Medium, RequestOffloadingContext
 from vllm.v1.kv_offload.base import OffloadingEvent as VllmOffloadingEvent
 from vllm.v1.kv_offload.base import OffloadingManager as VllmOffloadingManager
 from vllm.v1.kv_offload.base import PrepareStoreOutput as VllmPrepareStoreOutput
@@ -40,6 +40,7 @@ from aiokvo.integrations.vllm.failures import StoreFailures
 from aiokvo.integrations.vllm.hints import Refused, Retain, read_action
 from aiokvo.integrations.vllm.metrics import (
     ALLOCATION_SIZE,
+    BREAKER_STATES,
     CACHE_READ_USAGE,
     CACHE_USAGE,
     CACHE_WRITE_USAGE,
@@ -48,7 +49,13 @@ from aiokvo.integrations.vllm.metrics import (
     KV_HINTS_INVALID,
     STORE_FAILURES,
     STORES_SKIPPED,
+    TIER_BREAKER_STATE,
+    TIER_COUNTERS,
+    TIER_PROMOTIONS_NO_ROOM,
+    TIER_USED_BLOCKS,
+    TIER_WRITES_SKIPPED,
 )
+from aiokvo.integrations.vllm.tiering import SchedulerTiers
 from aiokvo.keys import OffloadKey
 from aiokvo.manager.base import OffloadingManager
 from aiokvo.manager.cpu import CPUOffloadingManager
@@ -63,6 +70,7 @@ _log = logging.getLogger("aiokvo.integrations.vllm")
 _LOOKUP_CONTEXT = ReqContext()  # aiokvo's lookup reads no context; skip the per-key fetch
 _METADATA_ONLY = has_metadata_only_events(VllmOffloadingEvent)
 _CPU = Medium.CPU
+_HIT_PENDING = LookupResult.HIT_PENDING
 
 
 class _Request:
@@ -106,6 +114,7 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
         config_info: Mapping[str, Any] | None = None,
         enable_events: bool = False,
         retention: Retention | None = None,
+        tiers: SchedulerTiers | None = None,
     ) -> None:
         if isinstance(manager, FilterReusedOffloadingManager):
             self._filter: FilterReusedOffloadingManager | None = manager
@@ -119,6 +128,8 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
         if retention is not None:  # kv.retain hints retain softly within its budget
             core.set_retention(retention)
         self._failures = store_failures
+        self._tiers = tiers
+        self._tier_reported: dict[tuple[str, str], int] = {}
         self._allocation_sizes: list[int] = []
         self._skipped_reported = 0
         self._failed_reported = 0
@@ -183,14 +194,23 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
             self._hints[KV_HINTS_EXECUTED] += 1
 
     def on_schedule_end(self, context: Any) -> None:
-        return
+        if self._tiers is not None:
+            self._tiers.step()
 
     def has_pending_work(self) -> bool:
-        return False
+        return self._tiers is not None and self._tiers.has_pending_work()
+
+    @property
+    def tiers(self) -> SchedulerTiers | None:
+        """The tiers below the pool (``aiokvo_tiers``), if any (read them, don't drive them)."""
+        return self._tiers
 
     # -- lookups and loads -------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: Any) -> Any:
-        return lookup_result(self._manager.lookup(key, _LOOKUP_CONTEXT))
+        found = self._manager.lookup(key, _LOOKUP_CONTEXT)
+        if found is False and self._tiers is not None and self._tiers.lookup(key):
+            return _HIT_PENDING  # promoted at the end of this step; vLLM asks again
+        return lookup_result(found)
 
     def get_load_source(self, key: OffloadKey, req_context: Any) -> Any:
         return CacheHitSource.HOST
@@ -243,6 +263,8 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
                 keys = [key for key in keys if key not in failed]
         if success:
             self._manager.complete_store(keys, success)
+            if self._tiers is not None:
+                self._tiers.stored(list(keys))
         else:
             self._fail_store(keys)
 
@@ -283,6 +305,8 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
         # manager publishes nothing here: no removal event (docs/vllm.md).
         self._manager.reset_cache(announce=False)
         self._failures.clear()
+        if self._tiers is not None:
+            self._tiers.reset()
 
     def config_info(self) -> Sequence[Mapping[str, Any]]:
         """vLLM 0.33's ``vllm:kv_offload_config_info`` series: the CPU pool's facts."""
@@ -311,11 +335,40 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
             if count != self._hints_reported[name]:
                 stats.increase_counter(name, count - self._hints_reported[name])
                 self._hints_reported[name] = count
+        if self._tiers is not None:
+            self._tier_stats(stats)
         return stats
 
+    def _tier_stats(self, stats: Any) -> None:
+        """Each tier's counters (deltas), used blocks and breaker state, by medium."""
+        reported = self._tier_reported
+        for tier in self._tiers.tier_statistics() if self._tiers is not None else ():
+            labels = (tier.medium,)
+            for name, (field, _) in TIER_COUNTERS.items():
+                value = int(getattr(tier, field))
+                delta = value - reported.get((name, tier.medium), 0)
+                if delta:
+                    stats.increase_counter(name, delta, labels)
+                    reported[(name, tier.medium)] = value
+            stats.set_gauge(TIER_USED_BLOCKS, tier.used_blocks, labels)
+            stats.set_gauge(TIER_BREAKER_STATE, BREAKER_STATES.get(tier.breaker.state, 0), labels)
+        if self._tiers is not None:
+            own = self._tiers.statistics()
+            for name, value in ((TIER_PROMOTIONS_NO_ROOM, own.promotions_no_room),
+                                (TIER_WRITES_SKIPPED, own.writes_skipped)):
+                delta = value - reported.get((name, ""), 0)
+                if delta:
+                    stats.increase_counter(name, delta)
+                    reported[(name, "")] = value
+
     def shutdown(self) -> None:
+        tiers, self._tiers = self._tiers, None
         try:
-            self._manager.shutdown()
+            if tiers is not None:
+                tiers.close()
         finally:
-            self._failures.close()
+            try:
+                self._manager.shutdown()
+            finally:
+                self._failures.close()
 

@@ -1,0 +1,122 @@
+"""aiokvo's disk tier behind vLLM's connector (``aiokvo_tiers``), in vLLM's real engine loop.
+
+The harness (``harness.py``) runs vLLM's scheduler and both connector roles
+over a fake model whose KV is a function of the token prefix, and checks
+every load byte for byte. Here the CPU pool is dropped between phases, so
+what comes back must come from the disk tier: a lookup that misses the pool
+answers pending, the manager promotes from disk at the end of the step, and
+the next lookup hits.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiokvo.errors import ConfigError
+from aiokvo.integrations.vllm import AiokvoOffloadingManager
+from aiokvo.integrations.vllm.extra_config import check_extra_config
+from aiokvo.integrations.vllm.metrics import metric_definitions
+from tests.integrations.vllm.harness import AIOKVO_SPEC, BLOCK, VOCAB, Harness
+
+pytestmark = pytest.mark.system  # vLLM's real engine loop, a real filesystem
+
+TIER_READ = "vllm:kv_offload_aiokvo_tier_blocks_read"
+TIER_WRITTEN = "vllm:kv_offload_aiokvo_tier_blocks_written"
+
+
+def disk(root: Path) -> dict[str, Any]:
+    return {"aiokvo_tiers": [{"kind": "disk", "root": str(root), "capacity_bytes": 64 << 20,
+                              "fsync": "none"}]}
+
+
+def settle(h: Harness, deadline: float = 60.0) -> None:
+    """Step the manager until its tier transfers have ended (the engine is idle)."""
+    manager = h.manager
+    assert isinstance(manager, AiokvoOffloadingManager)
+    tiers = manager.tiers
+    assert tiers is not None
+    end = time.monotonic() + deadline
+    while tiers.has_pending_work():
+        assert time.monotonic() < end, "tier transfers did not end"
+        tiers.step()
+        time.sleep(0.005)
+
+
+def docs(n: int = 3, blocks: int = 5) -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [[int(x) for x in rng.integers(10, VOCAB, size=blocks * BLOCK)] for _ in range(n)]
+
+
+def question(seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in rng.integers(10, VOCAB, size=11)]
+
+
+def test_stores_reach_the_disk_and_come_back_after_the_pool_is_dropped(
+    harness_factory: Any, tmp_path: Path
+) -> None:
+    h = harness_factory(spec=dict(AIOKVO_SPEC), extra=disk(tmp_path))
+    prefixes = docs()
+    for i, d in enumerate(prefixes):
+        h.add(d + question(i))
+    h.run_until_idle()
+    settle(h)
+    tier = h.manager.tiers.tiers[0]
+    written = tier.statistics().blocks_written
+    assert written >= len(prefixes) * 5
+    # Drop the GPU prefix cache and the CPU pool: only the disk has the prefixes now.
+    assert h.sched.reset_prefix_cache(reset_connector=True)
+    before = h.loads_checked
+    pending = h.lookup_results["HIT_PENDING"]
+    for i, d in enumerate(prefixes):
+        h.add(d + question(10 + i))
+    h.run_until_idle()
+    assert h.lookup_results["HIT_PENDING"] > pending  # deferred, not blocked
+    assert h.loads_checked - before == len(prefixes)  # every prefix loaded, checked
+    assert not h.pending_load_checks
+    stats = tier.statistics()
+    assert stats.blocks_read >= len(prefixes) * 5
+    assert (stats.read_failures, stats.checksum_failures) == (0, 0)
+    own = h.manager.tiers.statistics()
+    assert own.promoted_blocks == stats.blocks_read and own.promotion_failures == 0
+    assert h.stats_counters[TIER_READ] == stats.blocks_read
+    assert h.stats_counters[TIER_WRITTEN] >= written
+    assert h.check_cpu_pool() > 0  # promoted blocks hold their keys' KV
+
+
+def test_a_second_engine_on_the_same_root_loads_from_disk(
+    harness_factory: Any, tmp_path: Path
+) -> None:
+    prefixes = docs(2)
+    one = harness_factory(spec=dict(AIOKVO_SPEC), extra=disk(tmp_path))
+    for i, d in enumerate(prefixes):
+        one.add(d + question(i))
+    one.run_until_idle()
+    settle(one)
+    one.close()
+    two = harness_factory(spec=dict(AIOKVO_SPEC), extra=disk(tmp_path))
+    for i, d in enumerate(prefixes):
+        two.add(d + question(20 + i))
+    two.run_until_idle()
+    assert two.loads_checked == len(prefixes)
+    assert two.manager.tiers.tiers[0].statistics().blocks_read >= len(prefixes) * 5
+
+
+def test_bad_tier_settings_are_refused_naming_them(tmp_path: Path) -> None:
+    base = {**AIOKVO_SPEC, "cpu_bytes_to_use": 1 << 20}
+    with pytest.raises(ConfigError, match="aiokvo_tiers"):
+        check_extra_config({**base, "aiokvo_tiers": {"kind": "disk"}})
+    with pytest.raises(ConfigError, match=r"aiokvo_tiers'\]\[0\].*capacity_bytes"):
+        check_extra_config({**base, "aiokvo_tiers": [{"kind": "disk", "root": str(tmp_path)}]})
+    with pytest.raises(ConfigError, match="tape"):
+        check_extra_config({**base, "aiokvo_tiers": [{"kind": "tape"}]})
+    good = {**base, **disk(tmp_path)}
+    assert check_extra_config(good)["aiokvo_tiers"] == good["aiokvo_tiers"]
+    definitions = metric_definitions(good)
+    assert definitions[TIER_READ].labelnames == ("medium",)
+    assert TIER_READ not in metric_definitions(base)
