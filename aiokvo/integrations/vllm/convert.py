@@ -28,6 +28,7 @@ __all__ = [
     "event_to_vllm",
     "gpu_spec_from_vllm",
     "lookup_result",
+    "tier_place",
 ]
 
 _MEDIUMS = {"CPU": Medium.CPU}
@@ -68,6 +69,13 @@ def gpu_spec_from_vllm(spec: Any) -> GPULoadStoreSpec:
     except AttributeError:
         raise TransferSpecError(f"expected vLLM's GPULoadStoreSpec, got {spec!r}") from None
     return GPULoadStoreSpec(block_ids, sizes, indices)
+
+
+def tier_place(medium: str) -> tuple[Any, Any]:
+    """vLLM's ``(Medium, Locality)`` for an aiokvo tier's medium (``"DISK"``: local
+    storage; ``"MOONCAKE"``: remote storage), as 0.33's tier filters match them."""
+    _, locality = _TIER_EVENTS.get(medium, ("", "LOCAL"))
+    return Medium.STORAGE, Locality[locality]
 
 
 def event_to_vllm(event: OffloadingEvent) -> Any:

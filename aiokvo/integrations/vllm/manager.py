@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -35,7 +36,12 @@ from vllm.v1.kv_offload.base import PrepareStoreOutput as VllmPrepareStoreOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from aiokvo.integrations.vllm._compat import has_metadata_only_events
-from aiokvo.integrations.vllm.convert import cpu_spec_to_vllm, event_to_vllm, lookup_result
+from aiokvo.integrations.vllm.convert import (
+    cpu_spec_to_vllm,
+    event_to_vllm,
+    lookup_result,
+    tier_place,
+)
 from aiokvo.integrations.vllm.failures import StoreFailures
 from aiokvo.integrations.vllm.hints import Refused, Retain, read_action
 from aiokvo.integrations.vllm.metrics import (
@@ -71,6 +77,16 @@ _LOOKUP_CONTEXT = ReqContext()  # aiokvo's lookup reads no context; skip the per
 _METADATA_ONLY = has_metadata_only_events(VllmOffloadingEvent)
 _CPU = Medium.CPU
 _HIT_PENDING = LookupResult.HIT_PENDING
+try:  # vLLM 0.33: a request's filter over the tiers below the pool
+    from vllm.v1.kv_offload.base import TierFilter as _TierFilter
+
+    _ALL_TIERS: Any = _TierFilter.ALL
+except ImportError:  # 0.32 has none
+    _ALL_TIERS = None
+
+
+def _allows(flt: Any, medium: str) -> bool:
+    return bool(flt.allows(*tier_place(medium)))
 
 
 class _Request:
@@ -208,8 +224,11 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
     # -- lookups and loads -------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: Any) -> Any:
         found = self._manager.lookup(key, _LOOKUP_CONTEXT)
-        if found is False and self._tiers is not None and self._tiers.lookup(key):
-            return _HIT_PENDING  # promoted at the end of this step; vLLM asks again
+        if found is False and self._tiers is not None:
+            flt = getattr(req_context, "load_tier_filter", None)  # vLLM 0.33
+            allowed = None if flt is None or flt is _ALL_TIERS else partial(_allows, flt)
+            if self._tiers.lookup(key, allowed):
+                return _HIT_PENDING  # promoted at the end of this step; vLLM asks again
         return lookup_result(found)
 
     def get_load_source(self, key: OffloadKey, req_context: Any) -> Any:

@@ -122,14 +122,17 @@ class SchedulerTiers:
         )  # fmt: skip
 
     # ------------------------------------------------------------- lookups
-    def lookup(self, key: OffloadKey) -> bool:
+    def lookup(self, key: OffloadKey, allowed: Callable[[str], bool] | None = None) -> bool:
         """Whether a tier holds ``key`` (the pool did not): if so it is queued for
-        promotion, and the caller answers pending."""
+        promotion, and the caller answers pending. ``allowed(medium)``: whether the
+        request may load from that tier (vLLM 0.33's ``load_tier_filter``)."""
         if key in self._queued:
-            return True
+            return allowed is None or allowed(self._queued[key].medium)
         if key in self._refused:
             return False
         for tier in self.tiers:
+            if allowed is not None and not allowed(tier.medium):
+                continue
             if tier.lookup_nowait([key]):
                 self._queued[key] = tier
                 self._counts["hits"] += 1

@@ -120,3 +120,35 @@ def test_bad_tier_settings_are_refused_naming_them(tmp_path: Path) -> None:
     definitions = metric_definitions(good)
     assert definitions[TIER_READ].labelnames == ("medium",)
     assert TIER_READ not in metric_definitions(base)
+
+
+def test_a_request_whose_tier_filter_leaves_out_storage_is_not_promoted(
+    harness_factory: Any, tmp_path: Path
+) -> None:
+    """vLLM 0.33's ``ReqContext.load_tier_filter``: the disk tier is local STORAGE."""
+    base = pytest.importorskip("vllm.v1.kv_offload.base")
+    if not hasattr(base, "TierFilter"):
+        pytest.skip("vLLM 0.32 has no tier filters")
+    from types import SimpleNamespace
+
+    h = harness_factory(spec=dict(AIOKVO_SPEC), extra=disk(tmp_path))
+    h.add(docs(1)[0] + question(0))
+    h.run_until_idle()
+    settle(h)
+    core = h.manager.aiokvo_manager
+    keys = [key for key, _ in core.policy.items()]
+    assert keys
+    assert h.sched.reset_prefix_cache(reset_connector=True)  # the pool is empty now
+    f, m = base.TierFilter, base.TierMatcher
+    cpu_only = SimpleNamespace(load_tier_filter=f(matchers=(m(medium=base.Medium.CPU),)))
+    remote = SimpleNamespace(load_tier_filter=f(matchers=(m(locality=base.Locality.REMOTE),)))
+    local = SimpleNamespace(load_tier_filter=f(matchers=(m(medium=base.Medium.STORAGE,
+                                                            locality=base.Locality.LOCAL),)))
+    miss, pending = base.LookupResult.MISS, base.LookupResult.HIT_PENDING
+    assert h.manager.lookup(keys[0], cpu_only) == miss
+    assert h.manager.lookup(keys[0], remote) == miss
+    assert h.manager.lookup(keys[0], local) == pending
+    assert h.manager.lookup(keys[0], cpu_only) == miss  # queued, but not for this request
+    assert h.manager.lookup(keys[0], SimpleNamespace(load_tier_filter=f.ALL)) == pending
+    settle(h)
+    assert h.manager.lookup(keys[0], cpu_only) == base.LookupResult.HIT  # in the pool now
