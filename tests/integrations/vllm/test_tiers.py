@@ -152,3 +152,34 @@ def test_a_request_whose_tier_filter_leaves_out_storage_is_not_promoted(
     assert h.manager.lookup(keys[0], SimpleNamespace(load_tier_filter=f.ALL)) == pending
     settle(h)
     assert h.manager.lookup(keys[0], cpu_only) == base.LookupResult.HIT  # in the pool now
+
+
+def test_blocks_that_went_bad_on_disk_are_recomputed_never_served(
+    harness_factory: Any, tmp_path: Path
+) -> None:
+    """The slab's bytes overwritten after the writes: every promotion fails its
+    checksums, the keys answer miss from then on (no request waits forever), and the
+    harness sees the right KV in every block attended."""
+    h = harness_factory(spec=dict(AIOKVO_SPEC), extra=disk(tmp_path))
+    prefixes = docs(2)
+    for i, d in enumerate(prefixes):
+        h.add(d + question(i))
+    h.run_until_idle()
+    settle(h)
+    data = sorted(tmp_path.glob("v*/slab-*.data"))
+    assert data
+    for path in data:
+        size = path.stat().st_size
+        with path.open("r+b") as f:
+            f.write(bytes([0xA5]) * size)
+    assert h.sched.reset_prefix_cache(reset_connector=True)
+    before = h.loads_checked
+    ids = [h.add(d + question(30 + i)) for i, d in enumerate(prefixes)]
+    h.run_until_idle()
+    assert all(h.finished(r) for r in ids)
+    assert h.loads_checked == before  # nothing loaded: the disk's bytes were bad
+    tier = h.manager.tiers.tiers[0].statistics()
+    assert tier.checksum_failures >= len(prefixes) and tier.blocks_read == 0
+    own = h.manager.tiers.statistics()
+    assert own.promotion_failures >= len(prefixes) and own.promoted_blocks == 0
+    assert h.stats_counters["vllm:kv_offload_aiokvo_tier_checksum_failures"] > 0
