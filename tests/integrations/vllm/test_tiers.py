@@ -10,6 +10,7 @@ the next lookup hits.
 
 from __future__ import annotations
 
+import collections
 import time
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,21 @@ def settle(h: Harness, deadline: float = 60.0) -> None:
         time.sleep(0.005)
 
 
+def record_events(h: Harness) -> collections.Counter[tuple[str, str | None, bool]]:
+    """Count the events vLLM's scheduler takes, by (medium, ownership, removed)."""
+    seen: collections.Counter[tuple[str, str | None, bool]] = collections.Counter()
+    take = h.manager.take_events
+
+    def taking() -> list[Any]:
+        out = list(take())
+        for e in out:
+            seen[(e.medium.name, getattr(e, "ownership", None), e.removed)] += len(e.keys)
+        return out
+
+    h.manager.take_events = taking
+    return seen
+
+
 def docs(n: int = 3, blocks: int = 5) -> list[list[int]]:
     rng = np.random.default_rng(7)
     return [[int(x) for x in rng.integers(10, VOCAB, size=blocks * BLOCK)] for _ in range(n)]
@@ -61,6 +77,7 @@ def test_stores_reach_the_disk_and_come_back_after_the_pool_is_dropped(
     harness_factory: Any, tmp_path: Path
 ) -> None:
     h = harness_factory(spec=dict(AIOKVO_SPEC), extra=disk(tmp_path))
+    events = record_events(h)
     prefixes = docs()
     for i, d in enumerate(prefixes):
         h.add(d + question(i))
@@ -87,6 +104,11 @@ def test_stores_reach_the_disk_and_come_back_after_the_pool_is_dropped(
     assert h.stats_counters[TIER_READ] == stats.blocks_read
     assert h.stats_counters[TIER_WRITTEN] >= written
     assert h.check_cpu_pool() > 0  # promoted blocks hold their keys' KV
+    # The disk's stores reach vLLM's event publisher as STORAGE events, owned "disk".
+    disk_stored = sum(n for (medium, owner, removed), n in events.items()
+                      if (medium, owner, removed) == ("STORAGE", "disk", False))
+    assert disk_stored == written
+    assert events[("CPU", None, False)] > 0
 
 
 def test_a_second_engine_on_the_same_root_loads_from_disk(
