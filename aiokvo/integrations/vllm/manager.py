@@ -77,6 +77,7 @@ _LOOKUP_CONTEXT = ReqContext()  # aiokvo's lookup reads no context; skip the per
 _METADATA_ONLY = has_metadata_only_events(VllmOffloadingEvent)
 _CPU = Medium.CPU
 _HIT_PENDING = LookupResult.HIT_PENDING
+_RETRY = LookupResult.RETRY
 try:  # vLLM 0.33: a request's filter over the tiers below the pool
     from vllm.v1.kv_offload.base import TierFilter as _TierFilter
 
@@ -227,8 +228,12 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
         if found is False and self._tiers is not None:
             flt = getattr(req_context, "load_tier_filter", None)  # vLLM 0.33
             allowed = None if flt is None or flt is _ALL_TIERS else partial(_allows, flt)
-            if self._tiers.lookup(key, allowed):
+            answer = self._tiers.lookup(key, allowed)
+            if answer == "pending":
                 return _HIT_PENDING  # promoted at the end of this step; vLLM asks again
+            if answer == "retry":
+                return _RETRY  # a remote tier is being asked; vLLM asks again
+
         return lookup_result(found)
 
     def get_load_source(self, key: OffloadKey, req_context: Any) -> Any:

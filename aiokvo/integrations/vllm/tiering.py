@@ -33,10 +33,11 @@ flight. All of this runs on the scheduler's thread, like the manager.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from aiokvo.errors import AiokvoError
 from aiokvo.keys import OffloadKey
@@ -49,11 +50,19 @@ if TYPE_CHECKING:
     from aiokvo.manager.cpu import CPUOffloadingManager
     from aiokvo.tiers.registry import TierConfig
 
-__all__ = ["SchedulerTiers", "SchedulerTierStatistics", "open_scheduler_tiers"]
+__all__ = ["Answer", "SchedulerTiers", "SchedulerTierStatistics", "open_scheduler_tiers"]
 
 logger = logging.getLogger("aiokvo.integrations.vllm")
 
 _MAX_REFUSED = 1 << 16  # keys remembered as not promotable (then forgotten, oldest first)
+
+Answer = Literal["pending", "retry", "miss"]
+
+
+def _is_remote(tier: Tier) -> bool:
+    """A tier whose store others write too (Mooncake): its index is not the whole truth."""
+    store = getattr(tier, "store", None)
+    return bool(getattr(getattr(store, "capabilities", None), "remote", False))
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +124,11 @@ class SchedulerTiers:
         self._to_write: dict[Tier, dict[OffloadKey, None]] = {t: {} for t in self.tiers}
         self._pinned_by_writes = dict.fromkeys(self.tiers, 0)
         self._jobs: dict[int, _Promotion | _Write] = {}
+        # Tiers whose index does not know everything (a cluster other engines write):
+        # a pool miss asks them, off the step.
+        self._remote = [t for t in self.tiers if _is_remote(t)]
+        self._asking: dict[OffloadKey, asyncio.Task[Tier | None]] = {}
+        self._answers: dict[OffloadKey, Tier | None] = {}
         self._next_job = 0
         self._counts = dict.fromkeys(
             ("hits", "promotions", "promoted_blocks", "promotion_failures",
@@ -122,22 +136,61 @@ class SchedulerTiers:
         )  # fmt: skip
 
     # ------------------------------------------------------------- lookups
-    def lookup(self, key: OffloadKey, allowed: Callable[[str], bool] | None = None) -> bool:
-        """Whether a tier holds ``key`` (the pool did not): if so it is queued for
-        promotion, and the caller answers pending. ``allowed(medium)``: whether the
-        request may load from that tier (vLLM 0.33's ``load_tier_filter``)."""
-        if key in self._queued:
-            return allowed is None or allowed(self._queued[key].medium)
+    def lookup(self, key: OffloadKey, allowed: Callable[[str], bool] | None = None) -> Answer:
+        """Where ``key`` is, the pool having missed it: ``"pending"`` (a tier holds
+        it; it is queued for promotion), ``"retry"`` (a remote tier is being asked;
+        ask again next step) or ``"miss"``. ``allowed(medium)``: whether the request
+        may load from that tier (vLLM 0.33's ``load_tier_filter``)."""
+        queued = self._queued.get(key)
+        if queued is not None:
+            return "pending" if allowed is None or allowed(queued.medium) else "miss"
         if key in self._refused:
-            return False
+            return "miss"
         for tier in self.tiers:
             if allowed is not None and not allowed(tier.medium):
                 continue
             if tier.lookup_nowait([key]):
-                self._queued[key] = tier
-                self._counts["hits"] += 1
-                return True
-        return False
+                return self._found(key, tier)
+        remote = [t for t in self._remote if allowed is None or allowed(t.medium)]
+        if not remote:
+            return "miss"
+        if key in self._answers:
+            holder = self._answers.pop(key)
+            if holder is not None and holder in remote:
+                return self._found(key, holder)
+            return "miss"
+        if key not in self._asking:
+            self._ask(key, remote)
+        return "retry"
+
+    def _found(self, key: OffloadKey, tier: Tier) -> Answer:
+        self._queued[key] = tier
+        self._counts["hits"] += 1
+        return "pending"
+
+    def _ask(self, key: OffloadKey, remote: list[Tier]) -> None:
+        """Ask the remote tiers for ``key`` off the step (the lookups of one loop turn
+        share one call to the store); the answer waits for the next lookup."""
+
+        async def ask() -> Tier | None:
+            for tier in remote:
+                if await tier.lookup([key]):
+                    return tier
+            return None
+
+        def answered(task: asyncio.Task[Tier | None]) -> None:
+            self._asking.pop(key, None)
+            found = None
+            if not task.cancelled() and task.exception() is None:
+                found = task.result()
+            answers = self._answers
+            answers[key] = found
+            while len(answers) > _MAX_REFUSED:
+                del answers[next(iter(answers))]
+
+        task = self._sync.driver.loop.create_task(ask())
+        self._asking[key] = task
+        task.add_done_callback(answered)
 
     # -------------------------------------------------------------- stores
     def stored(self, keys: Sequence[OffloadKey]) -> None:
@@ -154,12 +207,14 @@ class SchedulerTiers:
 
     # ---------------------------------------------------------------- steps
     def has_pending_work(self) -> bool:
-        return bool(self._jobs or self._queued or any(self._to_write.values()))
+        return bool(self._jobs or self._queued or self._asking or any(self._to_write.values()))
 
     def step(self) -> None:
         """Once per engine step: end the transfers that finished, start the promotions
         queued by this step's lookups, and the writes admitted since."""
         try:
+            if self._asking and not self._jobs:
+                self._sync.driver.poll()  # the remote lookups' turn
             finished = self._sync.get_finished() if self._jobs else []
         except AiokvoError as exc:
             logger.error("aiokvo tiers: collecting transfers failed: %r", exc)
@@ -290,6 +345,7 @@ class SchedulerTiers:
         end as usual; their keys are the pool's to drop)."""
         self._queued.clear()
         self._refused.clear()
+        self._answers.clear()
         for queued in self._to_write.values():
             queued.clear()
 

@@ -205,3 +205,47 @@ def test_blocks_that_went_bad_on_disk_are_recomputed_never_served(
     own = h.manager.tiers.statistics()
     assert own.promotion_failures >= len(prefixes) and own.promoted_blocks == 0
     assert h.stats_counters["vllm:kv_offload_aiokvo_tier_checksum_failures"] > 0
+
+
+_CLUSTER: list[Any] = []  # the fake Mooncake cluster the "mooncake" kind is built over
+
+
+def fake_mooncake_tier(config: Any) -> Any:
+    """The ``"mooncake"`` tier kind over this test's in-process cluster."""
+    from aiokvo.tiers.mooncake.tier import mooncake_tier
+
+    return mooncake_tier(config, store_factory=_CLUSTER[0].store)
+
+
+def test_a_replica_loads_what_another_put_in_mooncake(
+    harness_factory: Any, tmp_path: Path
+) -> None:
+    """Two engines over one (in-process) Mooncake cluster: the second's pool misses,
+    its Mooncake index has never seen the keys, so the lookup answers RETRY while
+    the cluster is asked off the step, then HIT_PENDING and a promotion."""
+    from aiokvo.testing.mooncake_fake import FakeMooncakeCluster
+    from aiokvo.tiers.registry import register_tier_kind
+
+    _CLUSTER[:] = [FakeMooncakeCluster()]
+    config = "aiokvo.tiers.mooncake.config:MooncakeTierConfig"
+    register_tier_kind("mooncake", config, f"{__name__}:fake_mooncake_tier")
+    try:
+        extra = {"aiokvo_tiers": [{"kind": "mooncake", "master_server_addr": "127.0.0.1:1",
+                                   "local_hostname": "127.0.0.1", "lookup_timeout": 5.0}]}
+        prefixes = docs(2)
+        one = harness_factory(spec=dict(AIOKVO_SPEC), extra=extra)
+        for i, d in enumerate(prefixes):
+            one.add(d + question(i))
+        one.run_until_idle()
+        settle(one)
+        assert one.manager.tiers.tiers[0].statistics().blocks_written >= len(prefixes) * 5
+        two = harness_factory(spec=dict(AIOKVO_SPEC), extra=extra)
+        for i, d in enumerate(prefixes):
+            two.add(d + question(40 + i))
+        two.run_until_idle()
+        assert two.lookup_results["RETRY"] > 0
+        assert two.loads_checked == len(prefixes)  # checked byte for byte
+        assert two.manager.tiers.tiers[0].statistics().blocks_read >= len(prefixes) * 5
+    finally:
+        register_tier_kind("mooncake", config, "aiokvo.tiers.mooncake.tier:mooncake_tier")
+        _CLUSTER.clear()
