@@ -362,6 +362,11 @@ class SchedulerTiers:
         if close is None:
             return
         try:
+            asking = list(self._asking.values())
+            for task in asking:
+                task.cancel()
+            if asking:
+                self._sync.driver.poll()  # let the cancelled lookups end
             if self._jobs:
                 self._sync.wait(list(self._jobs))
                 self.step()
