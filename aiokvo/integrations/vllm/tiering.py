@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from aiokvo.errors import AiokvoError
+from aiokvo.errors import AiokvoError, ConfigError
 from aiokvo.keys import OffloadKey
 from aiokvo.specs import ReqContext, TransferResult
 from aiokvo.tiers.base import Tier, TierLoad, TierStatistics, TierStore
@@ -402,6 +402,16 @@ def open_scheduler_tiers(
     from aiokvo.tiers.base import TierBinding
     from aiokvo.tiers.registry import build_tier
 
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise ConfigError(
+            "aiokvo_tiers: the thread building vLLM's scheduler runs an event loop, and the "
+            "tiers' manager pumps a loop of its own there; run the engine core in its own "
+            "process (vLLM's default, VLLM_ENABLE_V1_MULTIPROCESSING=1)"
+        )
     region = SharedOffloadRegion(
         instance_id,
         num_blocks=config.num_cpu_blocks,

@@ -249,3 +249,44 @@ def test_a_replica_loads_what_another_put_in_mooncake(
     finally:
         register_tier_kind("mooncake", config, "aiokvo.tiers.mooncake.tier:mooncake_tier")
         _CLUSTER.clear()
+
+
+def tiered_spec(tmp_path: Path, engine_id: str) -> Any:
+    import dataclasses
+
+    from aiokvo.integrations.vllm import AiokvoOffloadingSpec
+    from tests.integrations.vllm.test_spec import config
+
+    cfg = config({"cpu_bytes_to_use": 1 << 20, **disk(tmp_path)}, bytes_per_block=8192)
+    return AiokvoOffloadingSpec(dataclasses.replace(cfg, engine_id=engine_id))
+
+
+def test_the_spec_shares_its_pool_and_declares_every_tier_stat(tmp_path: Path) -> None:
+    spec = tiered_spec(tmp_path, "tiers-stats")
+    assert spec.aiokvo_config.instance_id == "tiers-stats"  # a shared pool, even for one rank
+    (tier_config,) = spec.tier_configs
+    assert tier_config.model_id == "tiny"  # vLLM's model name, where the tier names none
+    manager = spec.get_manager()
+    try:
+        assert manager.tiers is not None
+        stats = manager.get_stats()
+        declared = type(spec).build_metric_definitions(dict(spec.config.extra_config))
+        for name, per_label in stats.data["data"].items():
+            assert name in declared, name
+            for labels in per_label:
+                assert len(labels) == len(declared[name].labelnames), (name, labels)
+        assert ("DISK",) in stats.data["data"]["vllm:kv_offload_aiokvo_tier_breaker_state"]
+    finally:
+        manager.shutdown()
+
+
+def test_tiers_refuse_a_scheduler_thread_that_runs_an_event_loop(tmp_path: Path) -> None:
+    import asyncio
+
+    spec = tiered_spec(tmp_path, "tiers-loop")
+
+    async def build() -> None:
+        spec.get_manager()
+
+    with pytest.raises(ConfigError, match="runs an event loop"):
+        asyncio.run(build())
