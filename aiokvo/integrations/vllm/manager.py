@@ -12,11 +12,12 @@ On vLLM 0.33 it also answers ``config_info`` (``vllm:kv_offload_config_info``),
 releases the keys of a failed store with a ``metadata_only`` removal event
 (as 0.33's CPU manager does), and reads the orchestrator hints
 (``ReqContext.kv_hints``, :mod:`~aiokvo.integrations.vllm.hints`): a
-``kv.retain`` retains the request's blocks softly when it finishes; actions
-that need a tier below the pool (prefetch, demote, durable) are counted as
-ignored, as are unknown ones; a bad payload is counted and logged once, never
-raised into the engine. ``lock`` is vLLM's default (no lock): the manager is
-entered from the scheduler's thread only.
+``kv.retain`` retains the request's blocks softly when it finishes;
+``kv.demote`` and ``kv.durable`` commit them to a tier then (with tiers,
+:mod:`~aiokvo.integrations.vllm.tiering`); prefetch, those two without
+tiers, and unknown actions are counted as ignored; a bad payload is
+counted and logged once, never raised into the engine. ``lock`` is vLLM's
+default (no lock): the manager is entered from the scheduler's thread only.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from aiokvo.integrations.vllm.convert import (
     tier_place,
 )
 from aiokvo.integrations.vllm.failures import StoreFailures
-from aiokvo.integrations.vllm.hints import Refused, Retain, read_action
+from aiokvo.integrations.vllm.hints import Demote, Durable, Refused, Retain, read_action
 from aiokvo.integrations.vllm.metrics import (
     ALLOCATION_SIZE,
     BREAKER_STATES,
@@ -68,6 +69,7 @@ from aiokvo.manager.cpu import CPUOffloadingManager
 from aiokvo.manager.retention import Retention
 from aiokvo.manager.reuse import FilterReusedOffloadingManager
 from aiokvo.specs import ReqContext
+from aiokvo.tiers.base import Tier
 
 __all__ = ["AiokvoOffloadingManager"]
 
@@ -94,11 +96,12 @@ class _Request:
     """The aiokvo context of one vLLM request, kept in vLLM's ``ReqContext`` state;
     with a ``kv.retain`` hint, the keys it used, to retain when it finishes."""
 
-    __slots__ = ("context", "keys", "retain")
+    __slots__ = ("commits", "context", "keys", "retain")
 
     def __init__(self, kv_transfer_params: dict[str, Any] | None) -> None:
         self.context = ReqContext(kv_transfer_params=kv_transfer_params)
         self.retain: Retain | None = None
+        self.commits: list[tuple[Tier, bool]] = []  # kv.durable / kv.demote: (tier, evict)
         self.keys: dict[OffloadKey, None] | None = None
 
 
@@ -186,9 +189,23 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
                 self._hint_refused(hint)
             elif isinstance(hint, Retain) and self._core.retention is not None:
                 state.retain = hint
-                state.keys = {}
-            else:  # prefetch, demote, durable: no tier below this pool (docs/vllm.md)
+                if state.keys is None:
+                    state.keys = {}
+            elif isinstance(hint, Demote | Durable) and (tier := self._hint_tier(hint)):
+                state.commits.append((tier, isinstance(hint, Demote)))
+                if state.keys is None:
+                    state.keys = {}
+            else:  # prefetch (lookups promote anyway), no tier, or no such tier
                 self._hints[KV_HINTS_IGNORED] += 1
+
+    def _hint_tier(self, hint: Demote | Durable) -> Tier | None:
+        """The tier a demote (the top one) or durable (the named one, else the lowest)
+        commits to; None without tiers or with no tier of that medium."""
+        if self._tiers is None:
+            return None
+        if isinstance(hint, Demote):
+            return self._tiers.tier(None)
+        return self._tiers.tier(hint.tier, lowest=True)
 
     def _hint_refused(self, refused: Refused) -> None:
         invalid = refused.reason == "bad_payload"
@@ -206,9 +223,15 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
         retain, keys = state.retain, state.keys
         retention = self._core.retention
         if retain is not None and keys and retention is not None:
-            state.retain = state.keys = None
+            state.retain = None
             retention.retain(list(keys), priority=retain.priority, ttl=retain.ttl)
             self._hints[KV_HINTS_EXECUTED] += 1
+        if state.commits and keys and self._tiers is not None:
+            for tier, evict in state.commits:
+                self._tiers.commit(tier, list(keys), evict=evict)
+                self._hints[KV_HINTS_EXECUTED] += 1
+            state.commits = []
+        state.keys = None
 
     def on_schedule_end(self, context: Any) -> None:
         if self._tiers is not None:

@@ -82,6 +82,8 @@ class SchedulerTierStatistics:
     writes_skipped: int = 0
     """Admitted keys not written: the tier's writes in flight pinned ``max_write_blocks``,
     or the key left the pool before its turn."""
+    demoted_blocks: int = 0
+    """Blocks freed from the CPU pool once a tier committed them (``kv.demote``)."""
     in_flight: int = 0
     """Tier transfers running now."""
 
@@ -94,10 +96,14 @@ class _Promotion:
 
 
 class _Write:
-    __slots__ = ("pinned", "store", "tier")
+    __slots__ = ("asked", "evict", "pinned", "store", "tier")
 
-    def __init__(self, tier: Tier, store: TierStore, pinned: list[OffloadKey]) -> None:
+    def __init__(
+        self, tier: Tier, store: TierStore, pinned: list[OffloadKey], *, asked: bool = False,
+        evict: bool = False,
+    ) -> None:
         self.tier, self.store, self.pinned = tier, store, pinned
+        self.asked, self.evict = asked, evict
 
 
 class SchedulerTiers:
@@ -123,16 +129,19 @@ class SchedulerTiers:
         self._refused: dict[OffloadKey, None] = {}  # promotion failed: a miss from now on
         self._to_write: dict[Tier, dict[OffloadKey, None]] = {t: {} for t in self.tiers}
         self._pinned_by_writes = dict.fromkeys(self.tiers, 0)
+        self._writing: dict[Tier, set[OffloadKey]] = {t: set() for t in self.tiers}
         self._jobs: dict[int, _Promotion | _Write] = {}
         # Tiers whose index does not know everything (a cluster other engines write):
         # a pool miss asks them, off the step.
         self._remote = [t for t in self.tiers if _is_remote(t)]
         self._asking: dict[OffloadKey, asyncio.Task[Tier | None]] = {}
         self._answers: dict[OffloadKey, Tier | None] = {}
+        # Writes a hint asked for (kv.durable, kv.demote): (tier, keys, evict after).
+        self._asked: list[tuple[Tier, list[OffloadKey], bool]] = []
         self._next_job = 0
         self._counts = dict.fromkeys(
             ("hits", "promotions", "promoted_blocks", "promotion_failures",
-             "promotions_no_room", "writes_skipped"), 0,
+             "promotions_no_room", "writes_skipped", "demoted_blocks"), 0,
         )  # fmt: skip
 
     # ------------------------------------------------------------- lookups
@@ -205,9 +214,26 @@ class SchedulerTiers:
             if admitted:
                 self._to_write[tier].update(dict.fromkeys(admitted))
 
+    def tier(self, medium: str | None, *, lowest: bool = False) -> Tier | None:
+        """The tier of ``medium`` (any case), or the top (the lowest with ``lowest``)."""
+        if medium is None:
+            return self.tiers[-1 if lowest else 0]
+        for tier in self.tiers:
+            if tier.medium.upper() == medium.upper():
+                return tier
+        return None
+
+    def commit(self, tier: Tier, keys: Sequence[OffloadKey], *, evict: bool) -> None:
+        """Write ``keys`` (those in the pool) to ``tier`` at the next step, past its
+        admission filter and write limit; with ``evict``, free them from the pool once
+        the tier holds them (``kv.durable``, ``kv.demote``)."""
+        if keys:
+            self._asked.append((tier, list(dict.fromkeys(keys)), evict))
+
     # ---------------------------------------------------------------- steps
     def has_pending_work(self) -> bool:
-        return bool(self._jobs or self._queued or self._asking or any(self._to_write.values()))
+        return bool(self._jobs or self._queued or self._asking or self._asked
+                    or any(self._to_write.values()))
 
     def step(self) -> None:
         """Once per engine step: end the transfers that finished, start the promotions
@@ -229,6 +255,8 @@ class SchedulerTiers:
             self._promote()
         if any(self._to_write.values()):
             self._write()
+        if self._asked:
+            self._write_asked()
 
     def _submit(self, spec: Any, job: _Promotion | _Write) -> bool:
         job_id = self._next_job
@@ -327,9 +355,47 @@ class SchedulerTiers:
                 tier.complete_store(store, TransferResult(-1, False))
                 continue
             self._pinned_by_writes[tier] += len(pinned)
+            self._writing[tier].update(pinned)
+
+    def _write_asked(self) -> None:
+        asked, self._asked = self._asked, []
+        core = self._core
+        for tier, keys, evict in asked:
+            held = set(tier.committed(keys))
+            if evict and held:
+                self._evict([k for k in keys if k in held])
+            ready: list[OffloadKey] = []
+            storing: list[OffloadKey] = []  # its store still in flight: at a later step
+            writing = self._writing[tier]
+            for key in keys:
+                status = core.block_status(key)
+                if key in held or status is None:
+                    continue
+                # A store, or a write to this tier, still in flight: at a later step.
+                (ready if status.is_ready and key not in writing else storing).append(key)
+            if storing:
+                self._asked.append((tier, storing, evict))
+            if not ready:
+                continue
+            store = tier.prepare_store(ready)
+            if store is None:
+                continue
+            pinned = list(store.keys)
+            src = core.prepare_load(pinned, ReqContext())
+            job = _Write(tier, store, pinned, asked=True, evict=evict)
+            if not self._submit((src, store.spec), job):
+                core.complete_load(pinned)
+                tier.complete_store(store, TransferResult(-1, False))
+                continue
+            self._writing[tier].update(pinned)
+
+    def _evict(self, keys: Sequence[OffloadKey]) -> None:
+        self._counts["demoted_blocks"] += len(self._core.remove(keys))
 
     def _written(self, job: _Write, result: TransferResult) -> None:
-        self._pinned_by_writes[job.tier] -= len(job.pinned)
+        if not job.asked:
+            self._pinned_by_writes[job.tier] -= len(job.pinned)
+        self._writing[job.tier].difference_update(job.pinned)
         try:
             self._core.complete_load(job.pinned)
         except AiokvoError as exc:
@@ -338,6 +404,10 @@ class SchedulerTiers:
             job.tier.complete_store(job.store, result)
         except Exception as exc:
             logger.error("aiokvo tiers: %s complete_store failed: %r", job.tier.medium, exc)
+            return
+        if job.evict:
+            written = job.store.written
+            self._evict(job.pinned if written is None and result.success else written or [])
 
     # ------------------------------------------------------------------ rest
     def reset(self) -> None:
@@ -346,6 +416,7 @@ class SchedulerTiers:
         self._queued.clear()
         self._refused.clear()
         self._answers.clear()
+        self._asked.clear()
         for queued in self._to_write.values():
             queued.clear()
 

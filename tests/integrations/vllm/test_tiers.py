@@ -251,6 +251,14 @@ def test_a_replica_loads_what_another_put_in_mooncake(
         _CLUSTER.clear()
 
 
+def counters(manager: Any) -> dict[str, float]:
+    """What one ``get_stats`` reports (counters report what changed since the last),
+    summed over labels; read off the payload as vLLM's loggers do (0.32 and 0.33)."""
+    data = manager.get_stats().data["data"]
+    return {name: sum(v for v in per_label.values() if isinstance(v, int | float))
+            for name, per_label in data.items()}
+
+
 def tiered_spec(tmp_path: Path, engine_id: str) -> Any:
     import dataclasses
 
@@ -290,3 +298,39 @@ def test_tiers_refuse_a_scheduler_thread_that_runs_an_event_loop(tmp_path: Path)
 
     with pytest.raises(ConfigError, match="runs an event loop"):
         asyncio.run(build())
+
+
+@pytest.mark.parametrize("kind", ["kv.demote", "kv.durable"])
+def test_demote_and_durable_hints_commit_the_requests_blocks_to_the_disk(
+    tmp_path: Path, kind: str
+) -> None:
+    """vLLM 0.33's kv_hints with a tier: the request's blocks are written to the disk
+    when it finishes, past the admission filter; a demote then frees them in the pool."""
+    hints = pytest.importorskip("tests.integrations.vllm.test_hints")  # skips on 0.32
+    from aiokvo.integrations.vllm.metrics import KV_HINTS_EXECUTED, KV_HINTS_IGNORED
+
+    spec = tiered_spec(tmp_path, f"tiers-{kind}")
+    manager = spec.get_manager()
+    try:
+        tiers = manager.tiers
+        keys = hints.keys("r", 4)
+        payload: dict[str, Any] = {"tier": "disk"} if kind == "kv.durable" else {}
+        hints.serve(manager, hints.request("r", hints.action(kind, payload)), keys)
+        end = time.monotonic() + 60
+        while tiers.has_pending_work():
+            assert time.monotonic() < end
+            manager.on_schedule_end(None)
+            time.sleep(0.005)
+        disk_tier = tiers.tiers[0]
+        assert sorted(disk_tier.committed(keys)) == sorted(keys)
+        in_pool = [k for k in keys if manager.aiokvo_manager.lookup(k, None)]
+        assert in_pool == ([] if kind == "kv.demote" else keys)
+        assert tiers.statistics().demoted_blocks == (4 if kind == "kv.demote" else 0)
+        got = counters(manager)
+        assert (got.get(KV_HINTS_EXECUTED), got.get(KV_HINTS_IGNORED)) == (1, None)
+        # A tier that is not there: ignored, counted.
+        hints.serve(manager, hints.request("s", hints.action("kv.durable", {"tier": "tape"})),
+                    hints.keys("s", 2))
+        assert counters(manager).get(KV_HINTS_IGNORED) == 1
+    finally:
+        manager.shutdown()
