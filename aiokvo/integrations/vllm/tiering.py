@@ -21,7 +21,13 @@ without one (``rank=None``, every rank's pages of every row).
   them in. When it ends, only the keys whose bytes the tier vouches for
   (checksums) become hits; the others are released, and a key whose
   promotion failed answers *miss* from then on (until it is stored again),
-  so a request is never deferred forever.
+  so a request is never deferred forever;
+* **remote tiers** (a cluster other engines write, Mooncake): a pool miss
+  the tier's index has not seen answers *retry* while the cluster is asked
+  on the manager's loop; the next lookup of the key promotes it or misses;
+* **hints**: ``kv.durable`` and ``kv.demote`` commit a finished request's
+  blocks to a tier past its admission filter and write limit
+  (:meth:`SchedulerTiers.commit`); a demote then frees them in the pool.
 
 Nothing here blocks the step: the tiers' I/O runs on their own threads, and
 their completions are collected through a private event loop that the
