@@ -266,12 +266,9 @@ class AiokvoOffloadingSpec(VllmOffloadingSpec):  # type: ignore[misc]
         assert isinstance(core, CPUOffloadingManager), core
         config = self.aiokvo_config
         assert config.instance_id is not None  # offload_config(shared_pool=True)
-        dtype = self._kv_dtype
-        if dtype is None:
-            raise ConfigError("aiokvo_tiers needs the model's KV dtype (vLLM's model config "
-                              "has none); give each tier dtype=...")
+        # Without vLLM's dtype, a tier without its own dtype refuses to bind (ConfigError).
         return open_scheduler_tiers(
-            self.tier_configs, config, core, instance_id=config.instance_id, dtype=dtype
+            self.tier_configs, config, core, instance_id=config.instance_id, dtype=self._kv_dtype
         )
 
     def get_worker(self, kv_caches: Any) -> AiokvoOffloadingWorker:

@@ -459,7 +459,7 @@ def open_scheduler_tiers(
     core: CPUOffloadingManager,
     *,
     instance_id: str,
-    dtype: str,
+    dtype: str | None,
 ) -> SchedulerTiers:
     """Map the engine's pool (the shared region named ``instance_id``), build and
     open the tiers ``configs`` describe over it, and return their driver.
@@ -469,7 +469,8 @@ def open_scheduler_tiers(
     by every KV group: the manager does not know how the workers split a row
     into layers, and need not (a tier moves whole rows). A tier's layout
     fingerprint is therefore the model id, ``dtype``, the row's bytes, the
-    groups' tokens per block and the world size.
+    groups' tokens per block and the world size. ``dtype`` is vLLM's KV dtype
+    (None: each tier must name its own, or it refuses to bind).
     """
     from aiokvo.handlers.sync import SyncOffloadingWorker
     from aiokvo.handlers.worker import OffloadingWorker
