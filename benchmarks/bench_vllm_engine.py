@@ -18,9 +18,11 @@ Configurations:
 
 * ``none``: no KV connector.
 * ``aiokvo``: vLLM's OffloadingConnector with aiokvo's spec (CPU pool).
-* ``aiokvo+disk`` (after a restart): not yet, it needs tiers from
-  ``kv_connector_extra_config``, which arrive with the tier engine; see
-  ``CONFIGS`` below for where it goes.
+* ``aiokvo+disk``: aiokvo's CPU pool over a disk tier (``aiokvo_tiers``),
+  measured **after a restart**: an engine first serves the workload on a
+  fresh root and exits (not timed), then a new engine on the same root is
+  measured, its pool empty and its disk full (``loaded_from_disk``: blocks
+  the tier read back).
 
     PYTHONPATH=. .vllm-venv/bin/python benchmarks/bench_vllm_engine.py \\
         [--rounds 2] [--requests 240] [--prefix 512] [--hidden 512 --layers 4]
@@ -50,10 +52,13 @@ from tests.integrations.vllm.engine import (
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "none": None,
     "aiokvo": dict(AIOKVO),
-    # "aiokvo+disk": {**AIOKVO, "tiers": [{"kind": "disk", "root": ..., ...}]},
-    #   run twice on the same root, measured on the second run (a restarted engine);
-    #   needs the tier engine's `tiers` key in kv_connector_extra_config.
+    "aiokvo+disk": dict(AIOKVO),  # plus aiokvo_tiers (a root per round), after a restart
 }
+RESTARTED = {"aiokvo+disk"}
+
+
+def disk_tier(root: Path) -> dict[str, Any]:
+    return {"aiokvo_tiers": [{"kind": "disk", "root": str(root), "capacity_bytes": 8 << 30}]}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -83,6 +88,7 @@ def summarize(result: dict[str, Any], workload: Workload) -> dict[str, float]:
         "preemptions": float(m.get("vllm:num_preemptions", 0.0)),
         "lookups_delayed": delay_n,
         "lookup_delay_mean_ms": delay_s / delay_n * 1e3 if delay_n else 0.0,
+        "loaded_from_disk": float(m.get("vllm:kv_offload_aiokvo_tier_blocks_read", 0.0)),
     }
 
 
@@ -115,8 +121,12 @@ def main() -> None:
         for r in range(args.rounds):
             names = list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))
             for name in names:
+                extra = disk_tier(Path(tmp) / f"disk-{r}") if name in RESTARTED else {}
                 run = Run(model=str(model), workload=workload, spec=CONFIGS[name],
-                          gpu_kv_tokens=args.gpu_kv_tokens, max_num_seqs=args.max_num_seqs)
+                          gpu_kv_tokens=args.gpu_kv_tokens, max_num_seqs=args.max_num_seqs,
+                          extra_config=extra)
+                if name in RESTARTED:  # the engine before the restart fills the disk
+                    run_in_subprocess(run, Path(tmp) / f"{name}-first", timeout=3600)
                 result = run_in_subprocess(run, Path(tmp) / name, timeout=3600)
                 rows[name].append(summarize(result, workload))
                 tokens.setdefault(name, result["tokens"])

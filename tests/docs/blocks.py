@@ -503,4 +503,17 @@ GLUE: dict[tuple[str, str], Glue] = {
             check_extra_config(kv_transfer_config.kv_connector_extra_config)
         ''',
     ),
+    ("docs/vllm.md", '"aiokvo_tiers": ['): Glue(
+        kind="vllm",
+        template='''
+            from aiokvo.integrations.vllm.extra_config import check_extra_config, tier_configs
+            from aiokvo.tiers import DiskTierConfig
+
+            {block}
+            check_extra_config(kv_connector_extra_config)
+            (tier,) = tier_configs(kv_connector_extra_config["aiokvo_tiers"], model_id="m")
+            assert isinstance(tier, DiskTierConfig) and tier.model_id == "m"
+        ''',
+        replace={"/var/cache/aiokvo": "{tmp}/aiokvo"},
+    ),
 }

@@ -138,9 +138,32 @@ def test_the_vllm_docs_config_passes() -> None:
     """docs/vllm.md's kv_connector_extra_config (its block runs whole in the vLLM venv)."""
     from tests.docs.blocks import blocks
 
-    (block,) = [b for b in blocks() if b.page == "docs/vllm.md"]
+    (block,) = [b for b in blocks()
+                if b.page == "docs/vllm.md" and "KVTransferConfig(" in b.code]
     call = ast.parse(block.code).body[-1]
     assert isinstance(call, ast.Assign) and isinstance(call.value, ast.Call)
     (keyword,) = [k for k in call.value.keywords if k.arg == "kv_connector_extra_config"]
     extra = eval(compile(ast.Expression(keyword.value), "docs/vllm.md", "eval"))  # a literal
     assert check(extra)["cpu_bytes_to_use"] == 8 << 30
+
+
+def test_the_vllm_docs_tier_config_passes(tmp_path: Path) -> None:
+    """docs/vllm.md's ``aiokvo_tiers`` example: one disk tier, read as from_dict reads it."""
+    from tests.docs.blocks import blocks
+
+    tier_configs = extra_config.tier_configs
+
+    (block,) = [b for b in blocks() if b.page == "docs/vllm.md" and "aiokvo_tiers" in b.code]
+    (assign,) = ast.parse(block.code).body
+    assert isinstance(assign, ast.Assign)
+    extra = eval(compile(ast.Expression(assign.value), "docs/vllm.md", "eval"))  # a literal
+    extra["aiokvo_tiers"][0]["root"] = str(tmp_path)
+    assert check(extra)["aiokvo_tiers"] == extra["aiokvo_tiers"]
+    (tier,) = tier_configs(extra["aiokvo_tiers"], model_id="llama")
+    assert (tier.kind, tier.root, tier.model_id) == ("disk", str(tmp_path), "llama")
+    assert tier.capacity_bytes == 200 << 30
+    with pytest.raises(ConfigError, match=r"aiokvo_tiers'\]\[0\]"):
+        tier_configs([{"kind": "disk", "root": str(tmp_path), "capacity_bytes": -1}],
+                     model_id="llama")
+    with pytest.raises(ConfigError, match="twice"):
+        tier_configs([extra["aiokvo_tiers"][0]] * 2, model_id="llama")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from vllm.v1.kv_offload.base import LookupResult, Medium
+from vllm.v1.kv_offload.base import Locality, LookupResult, Medium
 from vllm.v1.kv_offload.base import OffloadingEvent as VllmOffloadingEvent
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VllmCPULoadStoreSpec
 
@@ -28,9 +28,15 @@ __all__ = [
     "event_to_vllm",
     "gpu_spec_from_vllm",
     "lookup_result",
+    "tier_place",
 ]
 
 _MEDIUMS = {"CPU": Medium.CPU}
+# A tier below the pool is vLLM's STORAGE medium, told apart by its ownership (vLLM's
+# name for "which secondary tier"), and, where vLLM's event has one, its locality.
+_TIER_EVENTS: dict[str, tuple[str, str]] = {"DISK": ("disk", "LOCAL"),
+                                            "MOONCAKE": ("mooncake", "REMOTE")}
+_EVENT_FIELDS = frozenset(getattr(VllmOffloadingEvent, "__dataclass_fields__", ()))
 
 
 def lookup_result(found: bool | None) -> Any:
@@ -65,10 +71,30 @@ def gpu_spec_from_vllm(spec: Any) -> GPULoadStoreSpec:
     return GPULoadStoreSpec(block_ids, sizes, indices)
 
 
+def tier_place(medium: str) -> tuple[Any, Any]:
+    """vLLM's ``(Medium, Locality)`` for an aiokvo tier's medium (``"DISK"``: local
+    storage; ``"MOONCAKE"``: remote storage), as 0.33's tier filters match them."""
+    _, locality = _TIER_EVENTS.get(medium, ("", "LOCAL"))
+    return Medium.STORAGE, Locality[locality]
+
+
 def event_to_vllm(event: OffloadingEvent) -> Any:
-    """An aiokvo event as vLLM's ``OffloadingEvent`` (its ``medium`` a ``Medium``)."""
+    """An aiokvo event as vLLM's ``OffloadingEvent`` (its ``medium`` a ``Medium``).
+
+    A tier's event (``DISK``, ``MOONCAKE``, or another tier's medium) is vLLM's
+    ``Medium.STORAGE`` with ``ownership`` the tier's name in lower case.
+    """
+    medium = _MEDIUMS.get(event.medium)
+    if medium is not None:
+        return VllmOffloadingEvent(keys=list(event.keys), medium=medium, removed=event.removed)
+    ownership, locality = _TIER_EVENTS.get(event.medium, (event.medium.lower(), "LOCAL"))
+    extra: dict[str, Any] = {}
+    if "ownership" in _EVENT_FIELDS:
+        extra["ownership"] = ownership
+    if "locality" in _EVENT_FIELDS:
+        extra["locality"] = Locality[locality]
     return VllmOffloadingEvent(
-        keys=list(event.keys), medium=_MEDIUMS[event.medium], removed=event.removed
+        keys=list(event.keys), medium=Medium.STORAGE, removed=event.removed, **extra
     )
 
 

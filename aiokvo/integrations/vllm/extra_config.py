@@ -18,19 +18,22 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
-from typing import Any, get_args
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, get_args
 
 from aiokvo._util import check_choice, check_int
 from aiokvo.config import MAX_COUNT, UnknownConfigKeyWarning, machine_memory
 from aiokvo.errors import ConfigError
 
-__all__ = ["AIOKVO_KEYS", "HANDLER_OPTIONS", "VLLM_KEYS", "check_extra_config"]
+if TYPE_CHECKING:
+    from aiokvo.tiers.registry import TierConfig
+
+__all__ = ["AIOKVO_KEYS", "HANDLER_OPTIONS", "VLLM_KEYS", "check_extra_config", "tier_configs"]
 
 AIOKVO_KEYS = frozenset(
     {
         "aiokvo_loop", "aiokvo_retries", "aiokvo_on_load_failure", "aiokvo_handler_options",
-        "aiokvo_retention_fraction",
+        "aiokvo_retention_fraction", "aiokvo_tiers",
     }
 )  # fmt: skip
 """aiokvo's own keys (docs/vllm.md)."""
@@ -281,7 +284,34 @@ def check_extra_config(extra: object, *, strict: bool = False) -> dict[str, Any]
         checked["aiokvo_retention_fraction"] = _fraction(
             "aiokvo_retention_fraction", extra["aiokvo_retention_fraction"]
         )
+    if extra.get("aiokvo_tiers") is not None:
+        tier_configs(extra["aiokvo_tiers"], model_id="(the served model)")
     return checked
+
+
+def tier_configs(value: object, *, model_id: str) -> tuple[TierConfig, ...]:
+    """``aiokvo_tiers`` read as ``OffloadConfig.from_dict`` reads ``"tiers"``: a list
+    of mappings, each with a ``"kind"`` (``"disk"``, ``"mooncake"``) and that tier's
+    keywords. A tier without ``model_id`` takes ``model_id`` (the spec passes the
+    served model's name). Each kind at most once (a tier per medium)."""
+    key = "kv_connector_extra_config['aiokvo_tiers']"
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Sequence):
+        raise ConfigError(f"{key} must be a list of tier settings (each a mapping with a "
+                          f"'kind'), got {value!r}")
+    from aiokvo.tiers.registry import tier_config_from_dict  # only when tiers are asked for
+
+    configs: list[TierConfig] = []
+    for i, settings in enumerate(value):
+        if isinstance(settings, Mapping) and "model_id" not in settings:
+            settings = {**settings, "model_id": model_id}
+        try:
+            configs.append(tier_config_from_dict(settings))
+        except ConfigError as exc:
+            raise ConfigError(f"{key}[{i}]: {exc}") from None
+    kinds = [c.kind for c in configs]
+    if len(set(kinds)) != len(kinds):
+        raise ConfigError(f"{key} names a tier kind twice ({kinds}); each medium once")
+    return tuple(configs)
 
 
 def _fraction(key: str, value: object) -> float:

@@ -12,34 +12,42 @@ On vLLM 0.33 it also answers ``config_info`` (``vllm:kv_offload_config_info``),
 releases the keys of a failed store with a ``metadata_only`` removal event
 (as 0.33's CPU manager does), and reads the orchestrator hints
 (``ReqContext.kv_hints``, :mod:`~aiokvo.integrations.vllm.hints`): a
-``kv.retain`` retains the request's blocks softly when it finishes; actions
-that need a tier below the pool (prefetch, demote, durable) are counted as
-ignored, as are unknown ones; a bad payload is counted and logged once, never
-raised into the engine. ``lock`` is vLLM's default (no lock): the manager is
-entered from the scheduler's thread only.
+``kv.retain`` retains the request's blocks softly when it finishes;
+``kv.demote`` and ``kv.durable`` commit them to a tier then (with tiers,
+:mod:`~aiokvo.integrations.vllm.tiering`); prefetch, those two without
+tiers, and unknown actions are counted as ignored; a bad payload is
+counted and logged once, never raised into the engine. ``lock`` is vLLM's
+default (no lock): the manager is entered from the scheduler's thread only.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
-from vllm.v1.kv_offload.base import Medium, RequestOffloadingContext
+from vllm.v1.kv_offload.base import LookupResult, Medium, RequestOffloadingContext
 from vllm.v1.kv_offload.base import OffloadingEvent as VllmOffloadingEvent
 from vllm.v1.kv_offload.base import OffloadingManager as VllmOffloadingManager
 from vllm.v1.kv_offload.base import PrepareStoreOutput as VllmPrepareStoreOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from aiokvo.integrations.vllm._compat import has_metadata_only_events
-from aiokvo.integrations.vllm.convert import cpu_spec_to_vllm, event_to_vllm, lookup_result
+from aiokvo.integrations.vllm.convert import (
+    cpu_spec_to_vllm,
+    event_to_vllm,
+    lookup_result,
+    tier_place,
+)
 from aiokvo.integrations.vllm.failures import StoreFailures
-from aiokvo.integrations.vllm.hints import Refused, Retain, read_action
+from aiokvo.integrations.vllm.hints import Demote, Durable, Refused, Retain, read_action
 from aiokvo.integrations.vllm.metrics import (
     ALLOCATION_SIZE,
+    BREAKER_STATES,
     CACHE_READ_USAGE,
     CACHE_USAGE,
     CACHE_WRITE_USAGE,
@@ -48,13 +56,20 @@ from aiokvo.integrations.vllm.metrics import (
     KV_HINTS_INVALID,
     STORE_FAILURES,
     STORES_SKIPPED,
+    TIER_BREAKER_STATE,
+    TIER_COUNTERS,
+    TIER_PROMOTIONS_NO_ROOM,
+    TIER_USED_BLOCKS,
+    TIER_WRITES_SKIPPED,
 )
+from aiokvo.integrations.vllm.tiering import SchedulerTiers
 from aiokvo.keys import OffloadKey
 from aiokvo.manager.base import OffloadingManager
 from aiokvo.manager.cpu import CPUOffloadingManager
 from aiokvo.manager.retention import Retention
 from aiokvo.manager.reuse import FilterReusedOffloadingManager
 from aiokvo.specs import ReqContext
+from aiokvo.tiers.base import Tier
 
 __all__ = ["AiokvoOffloadingManager"]
 
@@ -63,17 +78,30 @@ _log = logging.getLogger("aiokvo.integrations.vllm")
 _LOOKUP_CONTEXT = ReqContext()  # aiokvo's lookup reads no context; skip the per-key fetch
 _METADATA_ONLY = has_metadata_only_events(VllmOffloadingEvent)
 _CPU = Medium.CPU
+_HIT_PENDING = LookupResult.HIT_PENDING
+_RETRY = LookupResult.RETRY
+try:  # vLLM 0.33: a request's filter over the tiers below the pool
+    from vllm.v1.kv_offload.base import TierFilter as _TierFilter
+
+    _ALL_TIERS: Any = _TierFilter.ALL
+except ImportError:  # 0.32 has none
+    _ALL_TIERS = None
+
+
+def _allows(flt: Any, medium: str) -> bool:
+    return bool(flt.allows(*tier_place(medium)))
 
 
 class _Request:
     """The aiokvo context of one vLLM request, kept in vLLM's ``ReqContext`` state;
     with a ``kv.retain`` hint, the keys it used, to retain when it finishes."""
 
-    __slots__ = ("context", "keys", "retain")
+    __slots__ = ("commits", "context", "keys", "retain")
 
     def __init__(self, kv_transfer_params: dict[str, Any] | None) -> None:
         self.context = ReqContext(kv_transfer_params=kv_transfer_params)
         self.retain: Retain | None = None
+        self.commits: list[tuple[Tier, bool]] = []  # kv.durable / kv.demote: (tier, evict)
         self.keys: dict[OffloadKey, None] | None = None
 
 
@@ -106,6 +134,7 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
         config_info: Mapping[str, Any] | None = None,
         enable_events: bool = False,
         retention: Retention | None = None,
+        tiers: SchedulerTiers | None = None,
     ) -> None:
         if isinstance(manager, FilterReusedOffloadingManager):
             self._filter: FilterReusedOffloadingManager | None = manager
@@ -119,6 +148,8 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
         if retention is not None:  # kv.retain hints retain softly within its budget
             core.set_retention(retention)
         self._failures = store_failures
+        self._tiers = tiers
+        self._tier_reported: dict[tuple[str, str], int] = {}
         self._allocation_sizes: list[int] = []
         self._skipped_reported = 0
         self._failed_reported = 0
@@ -158,9 +189,23 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
                 self._hint_refused(hint)
             elif isinstance(hint, Retain) and self._core.retention is not None:
                 state.retain = hint
-                state.keys = {}
-            else:  # prefetch, demote, durable: no tier below this pool (docs/vllm.md)
+                if state.keys is None:
+                    state.keys = {}
+            elif isinstance(hint, Demote | Durable) and (tier := self._hint_tier(hint)):
+                state.commits.append((tier, isinstance(hint, Demote)))
+                if state.keys is None:
+                    state.keys = {}
+            else:  # prefetch (lookups promote anyway), no tier, or no such tier
                 self._hints[KV_HINTS_IGNORED] += 1
+
+    def _hint_tier(self, hint: Demote | Durable) -> Tier | None:
+        """The tier a demote (the top one) or durable (the named one, else the lowest)
+        commits to; None without tiers or with no tier of that medium."""
+        if self._tiers is None:
+            return None
+        if isinstance(hint, Demote):
+            return self._tiers.tier(None)
+        return self._tiers.tier(hint.tier, lowest=True)
 
     def _hint_refused(self, refused: Refused) -> None:
         invalid = refused.reason == "bad_payload"
@@ -178,19 +223,41 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
         retain, keys = state.retain, state.keys
         retention = self._core.retention
         if retain is not None and keys and retention is not None:
-            state.retain = state.keys = None
+            state.retain = None
             retention.retain(list(keys), priority=retain.priority, ttl=retain.ttl)
             self._hints[KV_HINTS_EXECUTED] += 1
+        if state.commits and keys and self._tiers is not None:
+            for tier, evict in state.commits:
+                self._tiers.commit(tier, list(keys), evict=evict)
+                self._hints[KV_HINTS_EXECUTED] += 1
+            state.commits = []
+        state.keys = None
 
     def on_schedule_end(self, context: Any) -> None:
-        return
+        if self._tiers is not None:
+            self._tiers.step()
 
     def has_pending_work(self) -> bool:
-        return False
+        return self._tiers is not None and self._tiers.has_pending_work()
+
+    @property
+    def tiers(self) -> SchedulerTiers | None:
+        """The tiers below the pool (``aiokvo_tiers``), if any (read them, don't drive them)."""
+        return self._tiers
 
     # -- lookups and loads -------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: Any) -> Any:
-        return lookup_result(self._manager.lookup(key, _LOOKUP_CONTEXT))
+        found = self._manager.lookup(key, _LOOKUP_CONTEXT)
+        if found is False and self._tiers is not None:
+            flt = getattr(req_context, "load_tier_filter", None)  # vLLM 0.33
+            allowed = None if flt is None or flt is _ALL_TIERS else partial(_allows, flt)
+            answer = self._tiers.lookup(key, allowed)
+            if answer == "pending":
+                return _HIT_PENDING  # promoted at the end of this step; vLLM asks again
+            if answer == "retry":
+                return _RETRY  # a remote tier is being asked; vLLM asks again
+
+        return lookup_result(found)
 
     def get_load_source(self, key: OffloadKey, req_context: Any) -> Any:
         return CacheHitSource.HOST
@@ -243,6 +310,8 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
                 keys = [key for key in keys if key not in failed]
         if success:
             self._manager.complete_store(keys, success)
+            if self._tiers is not None:
+                self._tiers.stored(list(keys))
         else:
             self._fail_store(keys)
 
@@ -283,6 +352,8 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
         # manager publishes nothing here: no removal event (docs/vllm.md).
         self._manager.reset_cache(announce=False)
         self._failures.clear()
+        if self._tiers is not None:
+            self._tiers.reset()
 
     def config_info(self) -> Sequence[Mapping[str, Any]]:
         """vLLM 0.33's ``vllm:kv_offload_config_info`` series: the CPU pool's facts."""
@@ -311,11 +382,40 @@ class AiokvoOffloadingManager(VllmOffloadingManager):  # type: ignore[misc]
             if count != self._hints_reported[name]:
                 stats.increase_counter(name, count - self._hints_reported[name])
                 self._hints_reported[name] = count
+        if self._tiers is not None:
+            self._tier_stats(stats)
         return stats
 
+    def _tier_stats(self, stats: Any) -> None:
+        """Each tier's counters (deltas), used blocks and breaker state, by medium."""
+        reported = self._tier_reported
+        for tier in self._tiers.tier_statistics() if self._tiers is not None else ():
+            labels = (tier.medium,)
+            for name, (field, _) in TIER_COUNTERS.items():
+                value = int(getattr(tier, field))
+                delta = value - reported.get((name, tier.medium), 0)
+                if delta:
+                    stats.increase_counter(name, delta, labels)
+                    reported[(name, tier.medium)] = value
+            stats.set_gauge(TIER_USED_BLOCKS, tier.used_blocks, labels)
+            stats.set_gauge(TIER_BREAKER_STATE, BREAKER_STATES.get(tier.breaker.state, 0), labels)
+        if self._tiers is not None:
+            own = self._tiers.statistics()
+            for name, value in ((TIER_PROMOTIONS_NO_ROOM, own.promotions_no_room),
+                                (TIER_WRITES_SKIPPED, own.writes_skipped)):
+                delta = value - reported.get((name, ""), 0)
+                if delta:
+                    stats.increase_counter(name, delta)
+                    reported[(name, "")] = value
+
     def shutdown(self) -> None:
+        tiers, self._tiers = self._tiers, None
         try:
-            self._manager.shutdown()
+            if tiers is not None:
+                tiers.close()
         finally:
-            self._failures.close()
+            try:
+                self._manager.shutdown()
+            finally:
+                self._failures.close()
 

@@ -21,6 +21,7 @@ from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
 
 __all__ = [
     "ALLOCATION_SIZE",
+    "BREAKER_STATES",
     "CACHE_READ_USAGE",
     "CACHE_USAGE",
     "CACHE_WRITE_USAGE",
@@ -30,6 +31,11 @@ __all__ = [
     "KV_HINTS_INVALID",
     "STORES_SKIPPED",
     "STORE_FAILURES",
+    "TIER_BREAKER_STATE",
+    "TIER_COUNTERS",
+    "TIER_PROMOTIONS_NO_ROOM",
+    "TIER_USED_BLOCKS",
+    "TIER_WRITES_SKIPPED",
     "metric_definitions",
 ]
 
@@ -42,6 +48,36 @@ STORE_FAILURES = "vllm:kv_offload_aiokvo_store_failures"
 KV_HINTS_EXECUTED = "vllm:kv_offload_aiokvo_kv_hints_executed"
 KV_HINTS_IGNORED = "vllm:kv_offload_aiokvo_kv_hints_ignored"
 KV_HINTS_INVALID = "vllm:kv_offload_aiokvo_kv_hints_invalid"
+
+# The tiers below the pool (``aiokvo_tiers``), labelled by medium ("DISK", "MOONCAKE").
+TIER_COUNTERS: dict[str, tuple[str, str]] = {
+    "vllm:kv_offload_aiokvo_tier_lookup_hits": (
+        "lookup_hits", "Keys found in a tier below the CPU pool (each then promoted)."),
+    "vllm:kv_offload_aiokvo_tier_lookup_misses": (
+        "lookup_misses", "Tier lookups that stopped at a key the tier lacks."),
+    "vllm:kv_offload_aiokvo_tier_blocks_read": (
+        "blocks_read", "Blocks a tier read back good into the CPU pool (promotions)."),
+    "vllm:kv_offload_aiokvo_tier_read_failures": (
+        "read_failures", "Blocks a tier read did not bring back (I/O, checksum, deadline)."),
+    "vllm:kv_offload_aiokvo_tier_checksum_failures": (
+        "checksum_failures", "Blocks a tier read back wrong (dropped, never served)."),
+    "vllm:kv_offload_aiokvo_tier_blocks_written": (
+        "blocks_written", "Blocks written to a tier from the CPU pool (demotions)."),
+    "vllm:kv_offload_aiokvo_tier_write_failures": (
+        "write_failures", "Blocks a tier write did not commit."),
+    "vllm:kv_offload_aiokvo_tier_writes_refused": (
+        "writes_refused", "Keys a tier did not write: no room, breaker open, disconnected."),
+    "vllm:kv_offload_aiokvo_tier_timeouts": (
+        "timeouts", "Tier transfers past their deadline."),
+    "vllm:kv_offload_aiokvo_tier_store_failures": (
+        "store_failures", "Tier transfers its store failed (the circuit breaker's failures)."),
+}  # fmt: skip
+"""vLLM stats key -> (``TierStatistics`` field, help): counters, per medium."""
+TIER_USED_BLOCKS = "vllm:kv_offload_aiokvo_tier_used_blocks"
+TIER_BREAKER_STATE = "vllm:kv_offload_aiokvo_tier_breaker_state"
+TIER_PROMOTIONS_NO_ROOM = "vllm:kv_offload_aiokvo_tier_promotions_no_room"
+TIER_WRITES_SKIPPED = "vllm:kv_offload_aiokvo_tier_writes_skipped"
+BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 
 CONFIG_INFO_KEYS = (
     "cpu_num_chunks", "cpu_blocks_per_chunk", "cpu_kv_cache_size_bytes", "cpu_kv_cache_size_tokens",
@@ -88,6 +124,24 @@ def metric_definitions(extra_config: Mapping[str, Any]) -> dict[str, Any]:
             "(logged once per type and reason)."
         ),
     }
+    if extra_config.get("aiokvo_tiers"):
+        medium = ("medium",)
+        for name, (_, doc) in TIER_COUNTERS.items():
+            definitions[name] = OffloadingCounterMetadata(documentation=doc, labelnames=medium)
+        definitions[TIER_USED_BLOCKS] = OffloadingGaugeMetadata(
+            documentation="Blocks a tier below the CPU pool holds now.", labelnames=medium
+        )
+        definitions[TIER_BREAKER_STATE] = OffloadingGaugeMetadata(
+            documentation="A tier's circuit breaker: 0 closed, 1 half-open, 2 open.",
+            labelnames=medium,
+        )
+        definitions[TIER_PROMOTIONS_NO_ROOM] = OffloadingCounterMetadata(
+            documentation="Promotions from a tier not started: no room in the CPU pool."
+        )
+        definitions[TIER_WRITES_SKIPPED] = OffloadingCounterMetadata(
+            documentation="Keys admitted to a tier but not written (its writes in flight "
+            "pinned max_write_blocks, or the key left the pool first)."
+        )
     if store_threshold(extra_config) >= 2:
         definitions[STORES_SKIPPED] = OffloadingCounterMetadata(
             documentation="KV offload stores skipped because the block was not "

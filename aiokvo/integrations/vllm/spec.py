@@ -24,7 +24,7 @@ from vllm.v1.kv_offload.base import OffloadingSpec as VllmOffloadingSpec
 from aiokvo._util import check_choice, check_int
 from aiokvo.config import OffloadConfig
 from aiokvo.errors import ConfigError
-from aiokvo.integrations.vllm.extra_config import AIOKVO_KEYS, check_extra_config
+from aiokvo.integrations.vllm.extra_config import AIOKVO_KEYS, check_extra_config, tier_configs
 from aiokvo.integrations.vllm.failures import FailureLog, StoreFailures, failure_log_path
 from aiokvo.integrations.vllm.manager import AiokvoOffloadingManager
 from aiokvo.integrations.vllm.metrics import (
@@ -37,7 +37,9 @@ from aiokvo.manager.retention import Retention
 from aiokvo.offloading_spec import CPUOffloadingSpec
 
 if TYPE_CHECKING:
+    from aiokvo.integrations.vllm.tiering import SchedulerTiers
     from aiokvo.runtime.pump import LoopDriverMode
+    from aiokvo.tiers.registry import TierConfig
 
 __all__ = ["CHUNK_ALIGNMENT", "AIOKVO_KEYS", "AiokvoOffloadingSpec", "offload_config"]
 
@@ -63,11 +65,13 @@ def _config_int(extra: Mapping[str, Any], key: str, default: int | None = None) 
         raise ConfigError(f"{key} must be an integer, got {value!r}") from None
 
 
-def offload_config(config: Any) -> OffloadConfig:
+def offload_config(config: Any, *, shared_pool: bool = False) -> OffloadConfig:
     """aiokvo's config for vLLM's ``OffloadingConfig`` (0.32), with 0.32's rules.
 
     The pool holds ``cpu_bytes_to_use // round_up(worker_kv_bytes_per_block *
-    world_size * blocks_per_chunk, 4096)`` chunks, vLLM's own count.
+    world_size * blocks_per_chunk, 4096)`` chunks, vLLM's own count. It is a
+    shared region named by the engine id when ``world_size > 1`` or
+    ``shared_pool`` (tiers: the manager's process reads and writes it too).
     """
     extra = config.extra_config
     if config.canonical_layout:
@@ -81,6 +85,7 @@ def offload_config(config: Any) -> OffloadConfig:
     per_block = check_int("worker_kv_bytes_per_block", config.worker_kv_bytes_per_block, minimum=0)
     parallel = config.parallel
     world = max(1, int(parallel.world_size))
+    shared = world > 1 or shared_pool
     per_chunk_bytes = 0
     blocks_per_chunk = int(config.cache.blocks_per_chunk)
     sizes = tuple(int(g.tokens_per_block) for g in config.groups)
@@ -113,7 +118,7 @@ def offload_config(config: Any) -> OffloadConfig:
         enable_events=bool(config.enable_kv_cache_events),
         world_size=world,
         rank=int(parallel.rank) if world > 1 else 0,
-        instance_id=str(config.engine_id) if world > 1 else None,
+        instance_id=str(config.engine_id) if shared else None,
         retention_fraction=float(extra.get("aiokvo_retention_fraction", 0.25)),
     )
 
@@ -150,7 +155,14 @@ class AiokvoOffloadingSpec(VllmOffloadingSpec):  # type: ignore[misc]
                 "cache_policy_module_path names a vLLM CachePolicy; with aiokvo give an "
                 "aiokvo policy as eviction_policy='package.module:ClassName'"
             )
-        self.aiokvo_config = offload_config(config)
+        model = getattr(config, "model", None)
+        self.tier_configs: tuple[TierConfig, ...] = ()
+        if extra.get("aiokvo_tiers") is not None:
+            self.tier_configs = tier_configs(
+                extra["aiokvo_tiers"], model_id=str(getattr(model, "name", "") or "vllm-model")
+            )
+        self._kv_dtype = str(getattr(model, "dtype", "") or "") or None
+        self.aiokvo_config = offload_config(config, shared_pool=bool(self.tier_configs))
         self.loop_mode: LoopDriverMode = check_choice(
             "aiokvo_loop", extra.get("aiokvo_loop", "auto"), ("auto", "pump", "thread")
         )
@@ -225,14 +237,39 @@ class AiokvoOffloadingSpec(VllmOffloadingSpec):  # type: ignore[misc]
             config = self.aiokvo_config
             inner = self.inner_spec_class(config)
             budget = int(config.num_cpu_blocks * config.retention_fraction)
-            self._manager = AiokvoOffloadingManager(
-                inner.get_manager(),
-                self._store_failures(),
-                config_info=self.config_info(),
-                enable_events=config.enable_events,
-                retention=Retention(budget) if budget else None,
-            )
+            manager = inner.get_manager()
+            failures = self._store_failures()
+            tiers = None
+            try:
+                if self.tier_configs:
+                    tiers = self._open_tiers(manager)
+                self._manager = AiokvoOffloadingManager(
+                    manager,
+                    failures,
+                    config_info=self.config_info(),
+                    enable_events=config.enable_events,
+                    retention=Retention(budget) if budget else None,
+                    tiers=tiers,
+                )
+            except BaseException:
+                if tiers is not None:
+                    tiers.close()
+                failures.close()
+                raise
         return self._manager
+
+    def _open_tiers(self, manager: Any) -> SchedulerTiers:
+        from aiokvo.integrations.vllm.tiering import open_scheduler_tiers
+        from aiokvo.manager.cpu import CPUOffloadingManager
+
+        core = getattr(manager, "backing", manager)
+        assert isinstance(core, CPUOffloadingManager), core
+        config = self.aiokvo_config
+        assert config.instance_id is not None  # offload_config(shared_pool=True)
+        # Without vLLM's dtype, a tier without its own dtype refuses to bind (ConfigError).
+        return open_scheduler_tiers(
+            self.tier_configs, config, core, instance_id=config.instance_id, dtype=self._kv_dtype
+        )
 
     def get_worker(self, kv_caches: Any) -> AiokvoOffloadingWorker:
         if self._worker is None:

@@ -80,3 +80,33 @@ def test_stores_failed_in_the_worker_process_are_never_served(
     assert metrics.get(EXTERNAL_HITS, 0) == 0
     assert got["tokens"] == baseline["tokens"]
     assert "failed after retries" in got["log"]  # the worker said so, in its process
+
+
+TIER_READ = "vllm:kv_offload_aiokvo_tier_blocks_read"
+TIER_WRITTEN = "vllm:kv_offload_aiokvo_tier_blocks_written"
+
+
+def test_a_restarted_engine_keeps_its_prefix_cache_on_disk(
+    llama: Path, baseline: dict[str, Any], tmp_path: Path
+) -> None:
+    """Engine one serves the workload with a disk tier and exits; engine two, a new
+    process on the same root, loads its first requests' prefixes from the disk."""
+    tiers = {"aiokvo_tiers": [{"kind": "disk", "root": str(tmp_path / "kv"),
+                               "capacity_bytes": 64 << 20, "fsync": "none"}]}
+    one = run_in_subprocess(Run(model=str(llama), workload=WORKLOAD, spec=dict(AIOKVO),
+                                extra_config=tiers), tmp_path / "one")
+    assert one["tokens"] == baseline["tokens"]
+    first = one["metrics"]
+    assert first[TIER_WRITTEN] >= WORKLOAD.docs * WORKLOAD.prefix_tokens // 32
+    assert first.get(TIER_READ, 0) == 0  # the CPU pool held everything
+    two = run_in_subprocess(Run(model=str(llama), workload=WORKLOAD, spec=dict(AIOKVO),
+                                extra_config=tiers), tmp_path / "two")
+    assert two["tokens"] == baseline["tokens"]
+    metrics = two["metrics"]
+    assert metrics[TIER_READ] >= WORKLOAD.docs * WORKLOAD.prefix_tokens // 32
+    assert metrics.get("vllm:kv_offload_aiokvo_tier_read_failures", 0) == 0
+    # Its first round (one request per prefix, nothing in its GPU cache or CPU pool
+    # yet): every request's prefix came from the disk.
+    first_round = two["cached_tokens"][: WORKLOAD.round_size]
+    assert all(n >= WORKLOAD.prefix_tokens - 32 for n in first_round), first_round
+    assert one["cached_tokens"][: WORKLOAD.round_size] == [0] * WORKLOAD.round_size
