@@ -144,6 +144,12 @@ class FaultyIO(FileIO):
         self.reads = 0
         self.writes = 0
         self.reader_threads: set[str] = set()  # names of the threads that called preadv
+        # Reads touching these byte ranges of a data file wait for hold_gate (held is set
+        # once one does): one request's stalled read, the others' untouched.
+        self.hold: list[tuple[int, int]] = []
+        self.hold_gate = threading.Event()
+        self.held = threading.Event()
+        self.held_by = ""  # the name of the thread whose read waited there
 
     def pwritev(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
         if not self.write_gate.wait(60):
@@ -159,6 +165,12 @@ class FaultyIO(FileIO):
 
     def preadv(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
         self.reader_threads.add(threading.current_thread().name)  # before the gate
+        end = offset + sum(memoryview(b).nbytes for b in buffers)
+        if any(lo < end and offset < hi for lo, hi in self.hold):
+            self.held_by = threading.current_thread().name
+            self.held.set()
+            if not self.hold_gate.wait(60):
+                raise TimeoutError("the test never opened the hold gate")
         if not self.read_gate.wait(60):
             raise TimeoutError("the test never opened the read gate")
         self.reads += 1
