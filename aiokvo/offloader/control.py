@@ -31,7 +31,6 @@ import asyncio
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from types import TracebackType
 from typing import Protocol, Self
 
@@ -186,7 +185,6 @@ class CacheControl:
             return self.ready_prefix(keys)
         loop = asyncio.get_running_loop()
         until = None if timeout is None else loop.time() + timeout
-        started: list[Promotion] = []
         late = False
         try:
             async with asyncio.timeout_at(until):
@@ -195,16 +193,9 @@ class CacheControl:
                     owner._check_open("prefetch")
                 n = await self._settled_prefix(keys)
                 if n < len(keys):
-                    late = await self._promote(driver, keys, n, until, started)
+                    late = await self._promote(driver, keys, n, until)
         except TimeoutError:
             late = True
-        finally:
-            for promotion in started:
-                ended = promotion.copy.ended()
-                if ended.done():  # counted before the caller's next load can use them
-                    self._landed(promotion, ended)
-                else:
-                    ended.add_done_callback(partial(self._landed, promotion))
         if late:
             self.prefetches_late += 1
         else:
@@ -229,7 +220,6 @@ class CacheControl:
         keys: list[OffloadKey],
         n: int,
         until: float | None,
-        started: list[Promotion],
     ) -> bool:
         """Promote ``keys[n:]`` with ``keys[:n]`` pinned meanwhile; True if late."""
         manager = self._owner._manager
@@ -241,8 +231,9 @@ class CacheControl:
             if until is not None:
                 timeout = max(0.0, until - asyncio.get_running_loop().time())
             done = await driver.promote(
-                keys, None, n, len(keys), self._ctx, held=n, timeout=timeout, started=started
-            )
+                keys, None, n, len(keys), self._ctx, held=n, timeout=timeout,
+                on_landed=self._landed,
+            )  # fmt: skip
         finally:
             if held:
                 manager.complete_load(held)
@@ -257,7 +248,9 @@ class CacheControl:
                 return i
         return len(keys)
 
-    def _landed(self, promotion: Promotion, _: object) -> None:
+    def _landed(self, promotion: Promotion) -> None:
+        """In the promotion's done-callback: its keys are ready now, and no load has
+        pinned them yet (a load that pins them from here on used them)."""
         good = promotion.good
         if not good:
             return

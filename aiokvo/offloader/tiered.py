@@ -48,7 +48,7 @@ from aiokvo.offloader.inflight import InFlight
 from aiokvo.specs import PrepareStoreOutput, ReqContext, TransferResult
 from aiokvo.tiers.base import Tier, TierLoad, TierStatistics, TierStore
 
-__all__ = ["Promotion", "TierDriver", "positions"]
+__all__ = ["Landed", "Promotion", "TierDriver", "positions"]
 
 
 class TierOwner(Protocol):
@@ -68,15 +68,23 @@ class TierOwner(Protocol):
     def _evicted(self, keys: Sequence[OffloadKey]) -> None: ...
 
 
+Landed = Callable[["Promotion"], None]
+"""Told of a promotion when it completes, in its done-callback: its ``good`` keys are
+ready in the pool from that moment, before any coroutine runs again."""
+
+
 class Promotion:
     """One promotion in flight: ``reserved`` keys read from ``tier`` into the CPU pool."""
 
-    __slots__ = ("copy", "good", "reserved", "tier")
+    __slots__ = ("copy", "good", "landed", "reserved", "tier")
 
-    def __init__(self, tier: Tier, reserved: list[OffloadKey], copy: InFlight) -> None:
+    def __init__(
+        self, tier: Tier, reserved: list[OffloadKey], copy: InFlight, landed: Landed | None
+    ) -> None:
         self.tier = tier
         self.reserved = reserved
         self.copy = copy
+        self.landed = landed
         self.good: list[OffloadKey] = []
 
 
@@ -167,7 +175,7 @@ class TierDriver:
         *,
         held: int = 0,
         timeout: float | None = None,
-        started: list[Promotion] | None = None,
+        on_landed: Landed | None = None,
     ) -> list[Promotion] | None:
         """Read the tiers' blocks at positions ``[lo, hi)`` into the CPU pool, and wait.
 
@@ -178,12 +186,11 @@ class TierDriver:
         not read, end the prefix, with nothing left reserved. ``blocks`` None:
         ``keys`` are one group. Waits up to ``timeout`` (default: the slowest
         tier's ``io_timeout``), then returns None if a promotion is still
-        running (it completes itself later), else the promotions started. Each
-        is also appended to ``started`` as it starts, so a caller cancelled
-        meanwhile still knows them.
+        running (it completes itself later), else the promotions started.
+        ``on_landed`` is told of each promotion as it completes, whatever became
+        of this call (a prefetch follows its blocks from there).
         """
-        if started is None:
-            started = []
+        started: list[Promotion] = []
         room = self._pool_blocks - held
         cursor = lo
         for tier in self.tiers:
@@ -208,7 +215,7 @@ class TierDriver:
             if out.evicted_keys:
                 self._owner._evicted(out.evicted_keys)
             if out.keys_to_store:  # else another load or store brought them in meanwhile
-                promotion = self._start(tier, out)
+                promotion = self._start(tier, out, on_landed)
                 if promotion is None:
                     break  # the tier did not read them: later tiers' keys would follow a gap
                 started.append(promotion)
@@ -222,7 +229,9 @@ class TierDriver:
                 return None  # the load goes on with what it holds
         return started
 
-    def _start(self, tier: Tier, out: PrepareStoreOutput) -> Promotion | None:
+    def _start(
+        self, tier: Tier, out: PrepareStoreOutput, on_landed: Landed | None
+    ) -> Promotion | None:
         """Read ``out``'s reserved keys from ``tier``; None (reservation released) if not."""
         owner = self._owner
         manager = self._store_manager
@@ -243,7 +252,7 @@ class TierDriver:
         copy = owner._track(task)
         copy.patience = tier.io_timeout  # a load waiting for it gives up at the deadline
         owner._writing.update(dict.fromkeys(reserved, copy))
-        promotion = Promotion(tier, reserved, copy)
+        promotion = Promotion(tier, reserved, copy, on_landed)
         task.add_done_callback(partial(self._promotion_done, promotion, load))
         return promotion
 
@@ -273,6 +282,11 @@ class TierDriver:
             for key in reserved:
                 writing.pop(key, None)
             owner._copies.pop(result.job_id, None)
+            if promotion.landed is not None:
+                try:  # now, before a load can pin the keys: they are ready from here
+                    promotion.landed(promotion)
+                except Exception as exc:
+                    owner._report("promotion landed", exc)
             promotion.copy.finish(replace(result, success=not bad))
 
     def count_hits(self, pinned: list[OffloadKey], promotions: list[Promotion]) -> int:

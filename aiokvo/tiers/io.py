@@ -9,9 +9,10 @@ loop only checks the transfer and enqueues it; it never runs a store's I/O
 (no ``assist``: a disk can stall, a memory copy cannot).
 
 Reads run in ``slots`` independent slots, each a thread of its own: a
-promotion goes to the least busy slot and finishes when it ends, whatever
-was submitted before it, so one stalled or large read (a request's
-prefetch) never holds up another request's. Writes stay one slot, in
+promotion goes to the least busy slot (:func:`pick_slot`: never behind a
+transfer running for ``STALLED_AFTER`` seconds while another slot has none)
+and finishes when it ends, whatever was submitted before it, so one stalled
+or large read (a request's prefetch) never holds up another request's. Writes stay one slot, in
 order: a full disk keeps exactly the blocks before the first that did not
 fit.
 
@@ -29,8 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 from aiokvo._util import check_int
@@ -45,9 +47,34 @@ from aiokvo.tiers.outcome import Outcome
 from aiokvo.tiers.spec import TierSpec
 from aiokvo.tiers.store import BlockJob, BlockStore, PoolRows
 
-__all__ = ["StoreHandler"]
+__all__ = ["STALLED_AFTER", "StoreHandler", "pick_slot"]
 
 Overdue = Callable[[TierSpec], None]
+
+STALLED_AFTER = 0.5
+"""Seconds after which a slot's oldest transfer counts as stalled for :func:`pick_slot`.
+
+Only a preference: a large read mistaken for a stall merely steers new reads to
+the other slots."""
+
+
+def pick_slot(started: Sequence[Sequence[float]], now: float) -> int:
+    """The slot a new read joins, given each slot's transfers' submission times.
+
+    A slot whose oldest transfer has run ``STALLED_AFTER`` seconds comes last (a
+    hung system call would hold the new read behind it for as long as it hangs);
+    then the fewest transfers; then the youngest oldest transfer (an idle slot
+    first), so that ties never favour the slot most likely stuck.
+    """
+
+    def cost(slot: int) -> tuple[bool, int, float]:
+        times = started[slot]
+        if not times:
+            return (False, 0, -math.inf)
+        oldest = min(times)
+        return (now - oldest >= STALLED_AFTER, len(times), -oldest)
+
+    return min(range(len(started)), key=cost)
 
 
 class StoreHandler(SingleDirectionHandler):
@@ -90,7 +117,8 @@ class StoreHandler(SingleDirectionHandler):
             DispatchThread(name if slots == 1 else f"{name}-{i}") for i in range(slots)
         ]
         self._lanes = [(type(self).__name__, d.name, id(self)) for d in self._slots]
-        self._busy = [0] * slots  # transfers queued or running per slot
+        self._started: list[list[float]] = [[] for _ in range(slots)]  # per slot, queued
+        # or running: when each was submitted
         self._dispatch = self._slots[0]
         self.abandoned = 0
 
@@ -128,15 +156,16 @@ class StoreHandler(SingleDirectionHandler):
         job = BlockJob(tier, cpu_rows, groups, time.monotonic() + self.io_timeout)
         run = partial(_run, self.store.write if self.write else self.store.read, job)
         event = DispatchEvent()  # no patience: the loop never runs a tier's I/O
-        busy = self._busy
-        slot = busy.index(min(busy))
+        now = time.monotonic()
+        slot = pick_slot(self._started, now) if len(self._slots) > 1 else 0
         self._slots[slot].submit(run, event)
-        busy[slot] += 1
+        started = self._started[slot]
+        started.append(now)
         timer = asyncio.get_running_loop().call_later(self.io_timeout, self._overdue, tier, event)
 
         def release() -> None:
             timer.cancel()
-            busy[slot] -= 1
+            started.remove(now)
 
         return Submission(
             source=event,

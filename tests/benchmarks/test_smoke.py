@@ -67,3 +67,23 @@ def test_bench_tiers_disk_sections_run(tmp_path: Path) -> None:
     for op in ("write", "read", "warm read"):  # against the raw with the same checksum
         assert f"| 256 KiB | {op} | 1 |" in out.stdout
     assert "| CPU pool + disk tier |" in out.stdout
+
+def test_bench_agentic_quick_replays_every_mode_and_the_stall(tmp_path: Path) -> None:
+    # A real disk tier under tmp_path; the pool is too small for the slice, so the
+    # loads and prefetches read from disk. Timings are printed, never checked.
+    out = subprocess.run(
+        [sys.executable, "benchmarks/bench_agentic.py", "--quick", "--dir", str(tmp_path)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {
+        line.split("|")[1].strip(): line.split("|")
+        for line in out.stdout.splitlines()
+        if line.startswith("| ") and "wait" not in line
+    }
+    for mode in ("none", "prefetch", "demote+prefetch", "retain"):
+        assert mode in rows, mode
+    assert float(rows["none"][9]) > 0  # tier blocks read: the disk served hits
+    assert "stalls fired 1 (without: 0)" in out.stdout  # the stall was injected, once
+    assert out.stdout.count("target: ") == 2
+    assert list(tmp_path.iterdir()) == []  # every tier directory removed

@@ -172,6 +172,34 @@ async def test_prefetched_blocks_the_pool_drops_unused_are_counted_wasted() -> N
         assert (c.prefetch_used_blocks, c.prefetch_wasted_blocks) == (0, 3)
 
 
+async def test_blocks_pinned_before_the_prefetch_resumes_count_as_used() -> None:
+    # The promoted keys are ready the moment the promotion completes; the prefetch's own
+    # coroutine resumes two loop turns later. A scheduler that pins them in between used
+    # them (bench_agentic found them counted wasted once the pool dropped them).
+    kv, tier = KV(), faulty()
+    store = store_of(tier)
+    ks = names("u", 3)
+    async with Offloader(kv.config(CPU_BLOCKS), kv.caches, tiers=[tier]) as off:
+        await spill(off, kv, ks)
+        store.stall()
+        prefetch = asyncio.create_task(off.prefetch(ks))
+        await stalled(store)
+        store.release()
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + 30
+        while not all(in_pool(off, ks)) and loop.time() < give_up:
+            await asyncio.sleep(0)  # every loop turn: pin them as soon as they are ready
+        assert not prefetch.done()
+        lease = off.pin_prefix(ks)
+        assert lease is not None and lease.count == 3
+        lease.release()
+        assert await prefetch == 3
+        await fill(off, kv, names("push", CPU_BLOCKS), start=40)  # the pool drops them
+        c = off.statistics().control
+        assert (c.prefetched_blocks, c.prefetch_used_blocks, c.prefetch_wasted_blocks) == (3, 3, 0)
+        assert offloader_leaks(off) == []
+
+
 @pytest.mark.parametrize("point", ["store", "read"])
 async def test_a_cancelled_prefetch_leaves_nothing_behind(point: str) -> None:
     kv, tier = KV(), faulty()

@@ -19,6 +19,7 @@ from aiokvo.errors import ConfigError
 from aiokvo.keys import OffloadKey
 from aiokvo.testing import Faults, FaultyStore, FaultyTier, offloader_leaks
 from aiokvo.tiers.engine import StoreTier
+from aiokvo.tiers.io import STALLED_AFTER, pick_slot
 from tests.offloader._harness import KV, key
 
 CPU_BLOCKS = 8
@@ -248,3 +249,17 @@ async def test_a_transfer_naming_a_group_the_layout_lacks_is_refused_before_any_
                 await off.worker.transfer_async(7, (CPULoadStoreSpec(np.arange(2)), spec))
         assert tier.statistics().writes == 0
         assert offloader_leaks(off) == []
+
+def test_a_new_read_never_joins_a_stalled_slot_while_another_will_do() -> None:
+    now = 100.0
+    stuck = [now - STALLED_AFTER]  # its oldest transfer has run STALLED_AFTER seconds
+    # Fewest transfers first, an idle slot before a busy one:
+    assert pick_slot([[now - 0.01, now], [now - 0.01], []], now) == 2
+    assert pick_slot([[now - 0.01, now], [now - 0.01]], now) == 1
+    # A tie goes to the slot whose oldest transfer is youngest (the least likely stuck):
+    assert pick_slot([[now - 0.2], [now - 0.1], [now - 0.3]], now) == 1
+    # A stalled slot comes last, even when the others are busier:
+    assert pick_slot([stuck, [now - 0.01, now, now]], now) == 1
+    assert pick_slot([[now - 0.01, now], stuck, [now - 0.02, now]], now) == 0
+    # Every slot stalled: the fewest transfers, then the youngest oldest one.
+    assert pick_slot([[now - 9, now], [now - 5], [now - 7]], now) == 1

@@ -330,8 +330,9 @@ class DiskStore:
         threads = self.config.read_threads
         big = self._run_bytes(job, range(len(job))) >= PARALLEL_READ_MIN_BYTES
         parts = shares(runs, threads) if threads > 1 and big else []
+        lane = threading.get_ident()  # each read lane (dispatch thread) has its own helpers
         if len(parts) > 1:
-            pool = self._helper("read-io", threads - 1)()
+            pool = self._helper(f"read-io-{lane}", threads - 1)()
             helpers = [pool.submit(self._read_verified, job, files, part, OverlappedChecksums(None))
                        for part in parts[1:]]  # fmt: skip
             try:
@@ -341,7 +342,7 @@ class DiskStore:
             for helper in helpers:
                 good += helper.result()
         else:
-            sums = OverlappedChecksums(self._helper("read"))
+            sums = OverlappedChecksums(self._helper(f"read-{lane}"))
             good = self._read_verified(job, files, runs, sums)
         outcomes.ok_all(good)
 
@@ -439,9 +440,10 @@ class DiskStore:
             self._closed = True
             slabs = list(self._slabs.values())
             self._slabs.clear()
-        for pool in self._helpers.values():
+            pools = list(self._helpers.values())
+            self._helpers.clear()
+        for pool in pools:
             pool.shutdown(wait=True)
-        self._helpers.clear()
         for files in slabs:
             files.close()
 
@@ -522,13 +524,19 @@ class DiskStore:
         return sum(payload[groups[i]] for i in run)
 
     def _helper(self, role: str, threads: int = 1) -> Callable[[], ThreadPoolExecutor]:
-        """A lazily made pool for one role (hashing beside writes, beside reads, read shares)."""
+        """A lazily made pool for one role (hashing beside writes, beside reads, read shares).
+
+        Read roles are per read lane: a share that hangs (a bad sector, a stuck device
+        queue) then holds up its own request only, never another lane's shares.
+        """
 
         def get() -> ThreadPoolExecutor:
-            pool = self._helpers.get(role)
-            if pool is None:
-                name = f"aiokvo-disk-{role}"
-                pool = self._helpers[role] = ThreadPoolExecutor(threads, thread_name_prefix=name)
+            with self._lock:  # lanes make their pools from their own threads
+                pool = self._helpers.get(role)
+                if pool is None:
+                    name = f"aiokvo-disk-{role}"
+                    pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+                    self._helpers[role] = pool
             return pool
 
         return get

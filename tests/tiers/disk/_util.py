@@ -155,6 +155,12 @@ class FaultyIO(FileIO):
         # While set, each thread's first preadv waits here for the others: a read shared
         # by n threads needs n at once, however the pool hands its shares out.
         self.rendezvous: threading.Barrier | None = None
+        # Reads touching these byte ranges of a data file wait for hold_gate (held is set
+        # once one does): one request's stalled read, the others' untouched.
+        self.hold: list[tuple[int, int]] = []
+        self.hold_gate = threading.Event()
+        self.held = threading.Event()
+        self.held_by = ""  # the name of the thread whose read waited there
 
     def pwritev(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
         if not self.write_gate.wait(60):
@@ -171,7 +177,13 @@ class FaultyIO(FileIO):
     def preadv(self, fd: int, buffers: Sequence[Any], offset: int) -> int:
         name = threading.current_thread().name
         first = name not in self.reader_threads
-        self.reader_threads.add(name)  # before the gate
+        self.reader_threads.add(name)  # before the gates
+        end = offset + sum(memoryview(b).nbytes for b in buffers)
+        if any(lo < end and offset < hi for lo, hi in self.hold):
+            self.held_by = name
+            self.held.set()
+            if not self.hold_gate.wait(60):
+                raise TimeoutError("the test never opened the hold gate")
         if not self.read_gate.is_set():
             self.stalled_reads += 1
         if not self.read_gate.wait(60):

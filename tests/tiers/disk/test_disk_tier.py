@@ -260,6 +260,42 @@ async def test_a_big_promotion_read_by_several_threads_verifies_every_block(
         assert off.statistics().manager.pinned_blocks == 0
 
 
+async def test_a_stalled_share_of_one_read_holds_up_no_other_reads_share(
+    disk_tier_path: Path,
+) -> None:
+    # A big promotion is read in read_threads shares, the later ones on helper threads.
+    # Each read lane has helpers of its own, so one request's share that hangs (a bad
+    # sector, a stuck device queue) holds up that request only (bench_agentic --stall
+    # found another request's prefetch past its deadline behind a shared helper).
+    kv = KV(num_blocks=96, page=64 << 10)  # 128 KiB blocks: 16 are two 1 MiB shares
+    io = FaultyIO()
+    slow, fast = keys("slow", 16), keys("fast", 16)
+    async with offloader(
+        kv, disk_tier_path, cpu_blocks=48, slots=96, file_io=io, max_write_blocks=48,
+        read_threads=2, max_io_bytes=1 << 20, io_timeout=120,
+    ) as off:  # fmt: skip
+        await fill(off, kv, slow)
+        await fill(off, kv, fast, start=16)
+        await fill(off, kv, keys("push", 48), start=32)  # both on disk only now
+        tier = off.tiers[0]
+        assert is_disk_tier(tier)
+        slots = sorted(s for k in slow if (s := tier.index.slots.slot_of(k)) is not None)
+        assert len(slots) == 16
+        size = kv.slot_bytes()
+        io.hold = [(s * size, (s + 1) * size) for s in slots[8:]]  # its second share
+        stuck = asyncio.ensure_future(off.prefetch(slow, deadline=None))
+        try:
+            await asyncio.to_thread(io.held.wait, 30)
+            assert io.held.is_set() and "read-io" in io.held_by  # a helper thread hangs
+            assert await off.prefetch(fast, deadline=20) == 16  # its shares are not behind it
+            assert not stuck.done()
+        finally:
+            io.hold_gate.set()  # a failure above ends now, not when the gate times out
+        assert await stuck == 16
+        control = off.statistics().control
+        assert (control.prefetches_completed, control.prefetches_late) == (2, 0)
+
+
 async def test_another_layout_or_model_never_reads_the_blocks(disk_tier_path: Path) -> None:
     kv = KV()
     ks = keys("f", 4)
