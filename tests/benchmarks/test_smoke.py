@@ -3,6 +3,7 @@ so nothing else would notice one crashing)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -68,13 +69,32 @@ def test_bench_tiers_disk_sections_run(tmp_path: Path) -> None:
         assert f"| 256 KiB | {op} | 1 |" in out.stdout
     assert "| CPU pool + disk tier |" in out.stdout
 
-def test_bench_agentic_quick_replays_every_mode_and_the_stall(tmp_path: Path) -> None:
+
+def conversation_trace(path: Path, conversations: int = 16, turns: int = 4) -> Path:
+    """A trace in the Mooncake format shaped like the shared one (a checkout in CI has
+    no ``shared/`` beside it): one system-prompt block, then each conversation's own
+    id (``hash_ids[1]``), each turn extending the previous turn's blocks."""
+    lines = []
+    for turn in range(turns):
+        for c in range(conversations):
+            ids = [0, 1 + c] + [1000 * (1 + c) + i for i in range(3 * (turn + 1))]
+            lines.append(json.dumps({"timestamp": 1000 * turn + c, "input_length": 512 * len(ids),
+                                     "output_length": 100, "hash_ids": ids}))  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_bench_agentic_quick_replays_every_mode_and_the_stall(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     # A real disk tier under tmp_path; the pool is too small for the slice, so the
     # loads and prefetches read from disk. Timings are printed, never checked.
+    trace = conversation_trace(tmp_path_factory.mktemp("trace") / "trace.jsonl")
     out = subprocess.run(
-        [sys.executable, "benchmarks/bench_agentic.py", "--quick", "--dir", str(tmp_path)],
+        [sys.executable, "benchmarks/bench_agentic.py", "--quick", "--dir", str(tmp_path),
+         "--trace", str(trace)],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
-    )
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {
         line.split("|")[1].strip(): line.split("|")
