@@ -68,6 +68,11 @@ def test_bench_tiers_disk_sections_run(tmp_path: Path) -> None:
     for op in ("write", "read", "warm read"):  # against the raw with the same checksum
         assert f"| 256 KiB | {op} | 1 |" in out.stdout
     assert "| CPU pool + disk tier |" in out.stdout
+    # The figures that explain a replay below the pool alone (tier writes pinning the pool).
+    assert "CPU pool + disk tier: pool hits " in out.stdout
+    for figure in ("peak pool blocks pinned", "writes skipped", "DISK blocks written",
+                   "DISK timeouts", "DISK breaker"):  # fmt: skip
+        assert figure in out.stdout, figure
 
 
 def conversation_trace(path: Path, conversations: int = 16, turns: int = 4) -> Path:

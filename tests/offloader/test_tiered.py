@@ -85,3 +85,43 @@ async def test_refusals_under_write_through_warn_once_naming_the_write_limit(
         io.write_gate.set()
         await off.drain()
         assert (await off.store(second, [4, 5, 6, 7, 8])).ok  # the pins are gone
+
+
+async def test_a_promotion_past_its_deadline_is_a_counted_miss_and_holds_nothing_after() -> None:
+    """A tier read that hangs past ``io_timeout`` costs the load its tier blocks (a miss,
+    counted), never the pool's own: its reservation ends with the read, so the pool stores
+    and hits as before (bench_tiers' 13.4% replay was not a leak of this kind)."""
+    from aiokvo import Offloader
+    from aiokvo.testing.faulty import FaultyStore, FaultyTier
+
+    kv = KV()
+    tier = FaultyTier(capacity_blocks=64, io_timeout=0.05)  # the read is held by a gate
+    store = tier.store
+    assert isinstance(store, FaultyStore)
+    old, hot = keys("old", 4), keys("hot", 8)
+    async with Offloader(kv.config(8), kv.caches, tiers=[tier]) as off:
+        await fill(off, kv, old)
+        await fill(off, kv, hot, start=4)  # the pool holds 8: `old` is in the tier only
+        store.stall(1)
+        before = off.statistics()
+        kv.clear(range(64))
+        assert await off.load_prefix(old, [20, 21, 22, 23]) == 0  # gave up at the deadline
+        stats = off.statistics()
+        assert stats.promotion_timeouts == 1
+        assert stats.miss_blocks - before.miss_blocks == 4
+        assert stats.tiers[0].breaker.state == "closed"  # one timeout trips nothing
+        assert stats.manager.writing_blocks == 4  # the read still owns its reservation
+        # The pool's other four blocks still hit while the read hangs.
+        assert await off.load_prefix(hot[4:], [30, 31, 32, 33]) == 4
+        store.release()
+        await off.drain()
+        stats = off.statistics()
+        assert stats.manager.writing_blocks == 0 and stats.writing_keys == 0
+        assert stats.manager.pinned_blocks == 0
+        # Nothing stays reserved: a store the size of the pool is taken whole.
+        fresh = keys("fresh", 8)
+        kv.write(list(range(40, 48)), fresh)
+        result = await off.store(fresh, list(range(40, 48)))
+        assert result.ok and not result.refused
+        await off.drain()
+        assert off.statistics().stores_refused == 0
