@@ -288,6 +288,8 @@ class ShadowManager(OffloadingManager):  # type: ignore[misc]
         return self.aiokvo.aiokvo_manager
 
     def _same(self, name: str, mine: Any, theirs: Any) -> None:
+        if self.first_diff is not None:
+            return  # past the first difference only aiokvo is driven (see _both)
         self.compared[name] = self.compared.get(name, 0) + 1
         if mine != theirs and self.first_diff is None:
             self.first_diff = (name, mine, theirs)
@@ -296,9 +298,13 @@ class ShadowManager(OffloadingManager):  # type: ignore[misc]
 
     def _both(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         self.calls += 1
-        return getattr(self.aiokvo, name)(*args, **kwargs), getattr(self.native, name)(
-            *args, **kwargs
-        )
+        mine = getattr(self.aiokvo, name)(*args, **kwargs)
+        if self.first_diff is not None:
+            # Past a difference the two pools hold different blocks: vLLM's manager,
+            # driven on by aiokvo's answers, would assert on a key it evicted and
+            # aiokvo kept (how soon depends on when the worker's copies end).
+            return mine, mine
+        return mine, getattr(self.native, name)(*args, **kwargs)
 
     def on_new_request(self, req_context: Any) -> Any:
         mine, _ = self._both("on_new_request", req_context)
@@ -339,7 +345,8 @@ class ShadowManager(OffloadingManager):  # type: ignore[misc]
 
     def take_events(self) -> Any:
         self.calls += 1
-        mine, theirs = list(self.aiokvo.take_events()), list(self.native.take_events())
+        mine = list(self.aiokvo.take_events())
+        theirs = mine if self.first_diff is not None else list(self.native.take_events())
         self._same("take_events", _events(mine), _events(theirs))
         return mine
 
