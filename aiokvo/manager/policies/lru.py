@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Container, Iterable, Iterator, Sequence
 from itertools import filterfalse, islice
-from operator import length_hint
 
 from aiokvo.keys import OffloadKey
-from aiokvo.manager.policies.base import CachePolicy, Evicted
+from aiokvo.manager.policies._one_table import OneTablePolicy
+from aiokvo.manager.policies.base import Evicted
 
 __all__ = ["LRUCachePolicy", "evictable"]
 
@@ -34,42 +34,15 @@ def evictable(
     return it
 
 
-class LRUCachePolicy(CachePolicy):
+class LRUCachePolicy(OneTablePolicy):
     """Evicts the least recently used idle block."""
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self._blocks: OrderedDict[OffloadKey, int] = OrderedDict()
 
-    def get(self, key: OffloadKey) -> int | None:
-        return self._blocks.get(key)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._blocks
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
     def items(self) -> Iterator[tuple[OffloadKey, int]]:
         return iter(list(self._blocks.items()))
-
-    def membership_tables(self) -> tuple[Container[object], Container[object]]:
-        return self._blocks, frozenset()
-
-    def block_ids(self, keys: Sequence[OffloadKey]) -> list[int]:
-        return list(map(self._blocks.__getitem__, keys))
-
-    def uncached(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
-        return list(filterfalse(self._blocks.__contains__, keys))
-
-    def prefix_len(self, keys: Iterable[OffloadKey]) -> int:
-        # ``all`` stops at the first miss; the list iterator then says how
-        # many keys it did not reach. Cheaper than collecting a takewhile.
-        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
-        rest = iter(keys)
-        if all(map(self._blocks.__contains__, rest)):
-            return len(keys)
-        return len(keys) - length_hint(rest) - 1
 
     def insert(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
         self._blocks.update(zip(keys, block_ids, strict=True))

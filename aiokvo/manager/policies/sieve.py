@@ -18,16 +18,15 @@ not a use (as in ARC), so a store followed by its own touch sets no bit.
 from __future__ import annotations
 
 from collections.abc import Container, Iterable, Iterator, Sequence
-from itertools import filterfalse
-from operator import length_hint
 
 from aiokvo.keys import OffloadKey
-from aiokvo.manager.policies.base import CachePolicy, Evicted
+from aiokvo.manager.policies._one_table import OneTablePolicy
+from aiokvo.manager.policies.base import Evicted
 
 __all__ = ["SIEVECachePolicy"]
 
 
-class SIEVECachePolicy(CachePolicy):
+class SIEVECachePolicy(OneTablePolicy):
     """FIFO with visited bits and a hand that sifts unused blocks out."""
 
     def __init__(self, cache_capacity: int) -> None:
@@ -39,36 +38,11 @@ class SIEVECachePolicy(CachePolicy):
 
     # -- lookups ---------------------------------------------------------------
 
-    def get(self, key: OffloadKey) -> int | None:
-        return self._blocks.get(key)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._blocks
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
     def items(self) -> Iterator[tuple[OffloadKey, int]]:
         # In the order the hand will reach them (visited ones get a second chance).
         hand, queue, blocks = self._hand, self._queue, self._blocks
         order = [key for key in (*queue[hand:], *queue[:hand]) if key is not None]
         return iter([(key, blocks[key]) for key in order])
-
-    def membership_tables(self) -> tuple[Container[object], Container[object]]:
-        return self._blocks, frozenset()
-
-    def block_ids(self, keys: Sequence[OffloadKey]) -> list[int]:
-        return list(map(self._blocks.__getitem__, keys))
-
-    def uncached(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
-        return list(filterfalse(self._blocks.__contains__, keys))
-
-    def prefix_len(self, keys: Iterable[OffloadKey]) -> int:
-        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
-        rest = iter(keys)
-        if all(map(self._blocks.__contains__, rest)):
-            return len(keys)
-        return len(keys) - length_hint(rest) - 1
 
     def visited(self, key: OffloadKey) -> bool:
         """Whether ``key``'s visited bit is set (``KeyError`` if not cached)."""
