@@ -156,8 +156,7 @@ def _replay_tiered(
 ) -> ReplayResult:
     ctx = ReqContext()
     hits = refused = 0
-    tier_hits = [0] * len(below)
-    reads = [0] * len(below)
+    tier_hits = [0] * len(below)  # every hit below is a read promoting it
     step = max(1, len(requests) // 200)
     started, cpu = time.perf_counter(), time.process_time()
     for done, keys in enumerate(requests, 1):
@@ -175,7 +174,6 @@ def _replay_tiered(
                 tier.complete_load(promoted)
                 tier.touch(promoted)
                 tier_hits[index] += more
-                reads[index] += more
                 reach += more
         out = manager.prepare_store(keys, ctx)
         manager.touch(keys)
@@ -207,12 +205,14 @@ def _replay_tiered(
             TierResult(
                 name=tier.medium,
                 capacity_blocks=tier.num_blocks,
-                hits=tier_hits[index],
-                blocks_written=tier.statistics().blocks_stored,
-                blocks_read=reads[index],
-                blocks_evicted=tier.statistics().blocks_evicted,
+                hits=hits_below,
+                blocks_written=tier_stats.blocks_stored,
+                blocks_read=hits_below,
+                blocks_evicted=tier_stats.blocks_evicted,
             )
-            for index, tier in enumerate(below)
+            for tier, hits_below, tier_stats in zip(
+                below, tier_hits, [tier.statistics() for tier in below], strict=True
+            )
         ),
     )
 
