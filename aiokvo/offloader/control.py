@@ -261,23 +261,21 @@ class CacheControl:
 
     def used(self, keys: Sequence[OffloadKey]) -> None:
         """A load or lease pinned ``keys``: prefetched ones among them were used."""
-        prefetched = self._prefetched
-        if not prefetched:
-            return
-        for key in keys:
-            if key in prefetched:
-                del prefetched[key]
-                self.used_blocks += 1
+        self.used_blocks += self._forget(keys)
 
     def evicted(self, keys: Sequence[OffloadKey]) -> None:
         """The pool evicted ``keys``: prefetched ones among them were wasted."""
+        self.wasted_blocks += self._forget(keys)
+
+    def _forget(self, keys: Sequence[OffloadKey]) -> int:
+        """Drop ``keys`` from the prefetched set; how many of them were in it."""
         prefetched = self._prefetched
         if not prefetched:
-            return
+            return 0
+        before = len(prefetched)
         for key in keys:
-            if key in prefetched:
-                del prefetched[key]
-                self.wasted_blocks += 1
+            prefetched.pop(key, None)
+        return before - len(prefetched)
 
     def _sweep(self) -> None:
         """Count as wasted the prefetched keys the pool no longer has (dropped by a
