@@ -8,6 +8,8 @@
   reservation and pin and every ``complete_*`` against them, so a test can
   check each was completed exactly once. Loaded through the factory's public
   seam (``spec_name`` + ``spec_module_path``).
+* :func:`faulty`, :func:`fill` - a ``FaultyTier`` under an Offloader, and
+  blocks stored through it (the tier-engine and cache-control tests).
 """
 
 from __future__ import annotations
@@ -18,17 +20,20 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Collection, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from aiokvo import CanonicalKVCaches, OffloadConfig, make_offload_key
+from aiokvo import CanonicalKVCaches, OffloadConfig, Offloader, make_offload_key
 from aiokvo.handlers.host import HostCopy, apply_host_copies
 from aiokvo.keys import OffloadKey
 from aiokvo.manager.base import OffloadingManager
 from aiokvo.manager.cpu import CPUOffloadingManager
 from aiokvo.offloading_spec import CPUOffloadingSpec
 from aiokvo.specs import CPULoadStoreSpec, PrepareStoreOutput, ReqContext
+from aiokvo.testing import FaultyStore, FaultyTier
+from aiokvo.tiers.engine import StoreTier
 
 PAGE = 64
 BLOCK_TOKENS = 16
@@ -207,3 +212,27 @@ class CountingSpec(CPUOffloadingSpec):
     def _build_manager(self) -> OffloadingManager:
         config = self.config
         return CountingManager(config.num_cpu_blocks, cache_policy=config.eviction_policy)
+
+
+def names(prefix: str, n: int) -> list[OffloadKey]:
+    return [key(f"{prefix}{i}") for i in range(n)]
+
+
+def faulty(**settings: Any) -> StoreTier:
+    """A fault-injecting tier of 64 blocks unless told otherwise."""
+    settings.setdefault("capacity_blocks", 64)
+    return FaultyTier(**settings)
+
+
+def store_of(tier: StoreTier) -> FaultyStore:
+    assert isinstance(tier.store, FaultyStore)
+    return tier.store
+
+
+async def fill(off: Offloader, kv: KV, ks: list[OffloadKey], start: int = 0) -> None:
+    """Store ``ks`` from GPU blocks ``start...`` (written with their bytes), drained."""
+    blocks = list(range(start, start + len(ks)))
+    kv.write(blocks, ks)
+    result = await off.store(ks, blocks)
+    assert result.ok, result
+    await off.drain()

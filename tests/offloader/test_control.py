@@ -8,45 +8,21 @@ shorter of two waits whose order the test fixes.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
 
 from aiokvo import Offloader
 from aiokvo.errors import ConfigError, InvalidKeyError, OffloaderClosedError
 from aiokvo.keys import OffloadKey
-from aiokvo.testing import FaultyStore, FaultyTier, offloader_leaks
-from aiokvo.tiers.engine import StoreTier
-from tests.offloader._harness import KV, key
+from aiokvo.testing import FaultyStore, offloader_leaks
+from tests.offloader._harness import KV, faulty, fill, key, names, store_of
 
 CPU_BLOCKS = 8
-
-
-def names(prefix: str, n: int) -> list[OffloadKey]:
-    return [key(f"{prefix}{i}") for i in range(n)]
-
-
-def faulty(**settings: Any) -> StoreTier:
-    settings.setdefault("capacity_blocks", 64)
-    return FaultyTier(**settings)
-
-
-def store_of(tier: StoreTier) -> FaultyStore:
-    assert isinstance(tier.store, FaultyStore)
-    return tier.store
 
 
 def in_pool(off: Offloader, ks: list[OffloadKey]) -> list[bool]:
     found = [off.manager.block_status(k) for k in ks]
     return [s is not None and bool(s.is_ready) for s in found]
-
-
-async def fill(off: Offloader, kv: KV, ks: list[OffloadKey], start: int = 0) -> None:
-    blocks = list(range(start, start + len(ks)))
-    kv.write(blocks, ks)
-    result = await off.store(ks, blocks)
-    assert result.ok, result
-    await off.drain()
 
 
 async def spill(off: Offloader, kv: KV, ks: list[OffloadKey]) -> None:

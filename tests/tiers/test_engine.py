@@ -10,46 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 import pytest
 
 from aiokvo import Offloader
 from aiokvo.errors import ConfigError
 from aiokvo.keys import OffloadKey
-from aiokvo.testing import Faults, FaultyStore, FaultyTier, offloader_leaks
-from aiokvo.tiers.engine import StoreTier
+from aiokvo.testing import Faults, FaultyTier, offloader_leaks
 from aiokvo.tiers.io import STALLED_AFTER, pick_slot
-from tests.offloader._harness import KV, key
+from tests.offloader._harness import KV, faulty, fill, key, names, store_of
 
 CPU_BLOCKS = 8
-
-
-def names(prefix: str, n: int) -> list[OffloadKey]:
-    return [key(f"{prefix}{i}") for i in range(n)]
-
-
-def faulty(**settings: Any) -> StoreTier:
-    settings.setdefault("capacity_blocks", 64)
-    return FaultyTier(**settings)
 
 
 def clear(kv: KV, blocks: range) -> None:
     for tensor in kv.layers[0]:
         tensor[list(blocks)] = 0
-
-
-def store_of(tier: StoreTier) -> FaultyStore:
-    assert isinstance(tier.store, FaultyStore)
-    return tier.store
-
-
-async def fill(off: Offloader, kv: KV, ks: list[OffloadKey], start: int = 0) -> None:
-    blocks = list(range(start, start + len(ks)))
-    kv.write(blocks, ks)
-    result = await off.store(ks, blocks)
-    assert result.ok, result
-    await off.drain()
 
 
 async def spill(off: Offloader, kv: KV, ks: list[OffloadKey]) -> None:
@@ -249,6 +225,7 @@ async def test_a_transfer_naming_a_group_the_layout_lacks_is_refused_before_any_
                 await off.worker.transfer_async(7, (CPULoadStoreSpec(np.arange(2)), spec))
         assert tier.statistics().writes == 0
         assert offloader_leaks(off) == []
+
 
 def test_a_new_read_never_joins_a_stalled_slot_while_another_will_do() -> None:
     now = 100.0
