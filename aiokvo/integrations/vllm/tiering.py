@@ -350,16 +350,7 @@ class SchedulerTiers:
             self._counts["writes_skipped"] += skipped
             if not keys:
                 continue
-            store = tier.prepare_store(keys)
-            if store is None:
-                continue
-            pinned = list(store.keys)
-            src = core.prepare_load(pinned, ReqContext())
-            job = _Write(tier, store, pinned)
-            if not self._submit((src, store.spec), job):
-                core.complete_load(pinned)
-                tier.complete_store(store, TransferResult(-1, False))
-                continue
+            pinned = self._start_write(tier, keys)
             self._pinned_by_writes[tier] += len(pinned)
             self._writing[tier].update(pinned)
 
@@ -381,19 +372,25 @@ class SchedulerTiers:
                 (ready if status.is_ready and key not in writing else storing).append(key)
             if storing:
                 self._asked.append((tier, storing, evict))
-            if not ready:
-                continue
-            store = tier.prepare_store(ready)
-            if store is None:
-                continue
-            pinned = list(store.keys)
-            src = core.prepare_load(pinned, ReqContext())
-            job = _Write(tier, store, pinned, asked=True, evict=evict)
-            if not self._submit((src, store.spec), job):
-                core.complete_load(pinned)
-                tier.complete_store(store, TransferResult(-1, False))
-                continue
-            self._writing[tier].update(pinned)
+            if ready:
+                self._writing[tier].update(self._start_write(tier, ready, asked=True, evict=evict))
+
+    def _start_write(
+        self, tier: Tier, keys: list[OffloadKey], *, asked: bool = False, evict: bool = False
+    ) -> list[OffloadKey]:
+        """Pin the pool blocks of the ``keys`` the tier takes and submit their write; the
+        keys pinned (none when the tier took none, or the submit failed and was undone)."""
+        store = tier.prepare_store(keys)
+        if store is None:
+            return []
+        pinned = list(store.keys)
+        src = self._core.prepare_load(pinned, ReqContext())
+        job = _Write(tier, store, pinned, asked=asked, evict=evict)
+        if not self._submit((src, store.spec), job):
+            self._core.complete_load(pinned)
+            tier.complete_store(store, TransferResult(-1, False))
+            return []
+        return pinned
 
     def _evict(self, keys: Sequence[OffloadKey]) -> None:
         self._counts["demoted_blocks"] += len(self._core.remove(keys))
